@@ -1,0 +1,23 @@
+"""Ops the model calls. Each is a ``torch.ops.titan_kimi.*`` custom op with a CPU reference; see docs/ops.md."""
+
+from lowerings.ops.attention import causal_attention, document_causal_mask
+from lowerings.ops.attn_res_mix import attn_res_mix
+from lowerings.ops.indexer_topk import indexer_topk
+from lowerings.ops.kda import kda
+from lowerings.ops.registry import configure_backends, known_ops, op_backends, selected_backend
+from lowerings.ops.situ_glu import situ_glu
+from lowerings.ops.sparse_mla import sparse_mla
+
+__all__ = [
+    "attn_res_mix",
+    "causal_attention",
+    "configure_backends",
+    "document_causal_mask",
+    "indexer_topk",
+    "kda",
+    "known_ops",
+    "op_backends",
+    "selected_backend",
+    "situ_glu",
+    "sparse_mla",
+]

@@ -1,0 +1,93 @@
+"""``titan_kimi::attn_res_mix``: the Attention-Residuals softmax mix over the block bank and the partial sum."""
+
+from __future__ import annotations
+
+import torch
+
+from lowerings.ops.registry import cuda_available, op_backends, selected_backend
+
+BACKENDS = op_backends("attn_res_mix")
+BACKENDS.add("triton", cuda_available, auto_rank=0)
+
+
+def attn_res_mix_reference(
+    bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """values = bank entries then partial; z_i = proj(RMSNorm_fp32(v_i)); out = sum_i softmax(z)_i v_i."""
+    values = torch.cat([bank, partial.unsqueeze(1)], dim=1).float()  # [N, m+1, H]
+    inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)  # [N, m+1]
+    gw = norm_weight.float() * proj_weight.float()
+    z = (values @ gw) * inv_rms
+    alpha = torch.softmax(z, dim=-1)
+    return (alpha.unsqueeze(-1) * values).sum(1).to(partial.dtype)
+
+
+def _vjp_backward(grad, bank, partial, norm_weight, proj_weight, eps):
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(
+            lambda b, p, g, w: attn_res_mix_reference(b, p, g, w, eps), bank, partial, norm_weight, proj_weight
+        )
+    return list(vjp(grad))
+
+
+@torch.library.custom_op("titan_kimi::attn_res_mix", mutates_args=())
+def attn_res_mix_op(
+    bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    if selected_backend("attn_res_mix") == "triton" and partial.is_cuda:
+        from lowerings.kernels.attn_res_mix import attn_res_mix_forward
+
+        return attn_res_mix_forward(bank, partial, norm_weight, proj_weight, eps)
+    return attn_res_mix_reference(bank, partial, norm_weight, proj_weight, eps)
+
+
+@attn_res_mix_op.register_fake
+def _(bank, partial, norm_weight, proj_weight, eps):
+    return torch.empty_like(partial)
+
+
+@torch.library.custom_op("titan_kimi::attn_res_mix_backward", mutates_args=())
+def attn_res_mix_backward_op(
+    grad: torch.Tensor,
+    bank: torch.Tensor,
+    partial: torch.Tensor,
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+) -> list[torch.Tensor]:
+    """Gradients for (bank, partial, norm_weight, proj_weight)."""
+    if selected_backend("attn_res_mix") == "triton" and partial.is_cuda:
+        from lowerings.kernels.attn_res_mix import attn_res_mix_backward
+
+        return list(attn_res_mix_backward(grad, bank, partial, norm_weight, proj_weight, eps))
+    return [x.contiguous() for x in _vjp_backward(grad, bank, partial, norm_weight, proj_weight, eps)]
+
+
+@attn_res_mix_backward_op.register_fake
+def _(grad, bank, partial, norm_weight, proj_weight, eps):
+    return [torch.empty_like(x) for x in (bank, partial, norm_weight, proj_weight)]
+
+
+def _setup_context(ctx, inputs, output):
+    bank, partial, norm_weight, proj_weight, eps = inputs
+    ctx.save_for_backward(bank, partial, norm_weight, proj_weight)
+    ctx.eps = eps
+
+
+def _backward(ctx, grad):
+    grads = attn_res_mix_backward_op(grad.contiguous(), *ctx.saved_tensors, ctx.eps)
+    return (*grads, None)
+
+
+torch.library.register_autograd("titan_kimi::attn_res_mix", _backward, setup_context=_setup_context)
+
+
+def attn_res_mix(
+    bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Mix ``bank [N,m,H]`` and ``partial [N,H]`` with the learned ``norm_weight [H]`` and ``proj_weight [H]``."""
+    if bank.dim() != 3 or partial.dim() != 2 or bank.shape[0] != partial.shape[0] or bank.shape[2] != partial.shape[1]:
+        raise ValueError(
+            f"attn_res_mix expects bank [N,m,H] and partial [N,H], got {tuple(bank.shape)} and {tuple(partial.shape)}"
+        )
+    return attn_res_mix_op(bank.contiguous(), partial.contiguous(), norm_weight.reshape(-1), proj_weight.reshape(-1), eps)

@@ -1,0 +1,79 @@
+"""``titan_kimi::indexer_topk``: DSA indexer scores and top-k key selection (no gradient: hard selection)."""
+
+from __future__ import annotations
+
+import torch
+
+from lowerings.ops.registry import cuda_available, op_backends, selected_backend
+
+BACKENDS = op_backends("indexer")
+BACKENDS.add("triton", cuda_available, auto_rank=0)
+
+# Row chunks keep the fp32 [rows, heads, T] intermediate under this many bytes, so long sequences never
+# materialise the whole [T, T] score matrix.
+SCORE_BYTES_CAP = 1 << 30
+
+
+def indexer_scores_reference(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, rows: slice, scale: float
+) -> torch.Tensor:
+    """I(t,s) = sum_h w[t,h] relu(scale q[t,h].k[s]) for t in ``rows``; -inf outside [seg_start[t], t]."""
+    qt = q[rows].float()
+    logits = torch.einsum("thd,sd->ths", qt, k.float()) * scale
+    scores = torch.einsum("th,ths->ts", w[rows].float(), torch.relu(logits))
+    t = torch.arange(rows.start, rows.stop, device=q.device).unsqueeze(1)
+    s = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
+    valid = (s <= t) & (s >= seg_start[rows].unsqueeze(1).long())
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k columns per row as ascending int32 indices, -1 in slots without a valid (finite) key."""
+    values, idx = torch.topk(scores, k, dim=-1)
+    idx = torch.where(torch.isfinite(values), idx, torch.full_like(idx, torch.iinfo(torch.int32).max))
+    idx = idx.sort(dim=-1).values
+    return torch.where(idx == torch.iinfo(torch.int32).max, torch.full_like(idx, -1), idx).to(torch.int32)
+
+
+def indexer_topk_reference(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float
+) -> torch.Tensor:
+    T, HI, _ = q.shape
+    width = min(topk, T)
+    rows_per_chunk = max(1, SCORE_BYTES_CAP // max(1, 4 * HI * T))
+    out = []
+    for start in range(0, T, rows_per_chunk):
+        rows = slice(start, min(T, start + rows_per_chunk))
+        out.append(select_topk(indexer_scores_reference(q, k, w, seg_start, rows, scale), width))
+    return torch.cat(out, dim=0) if out else q.new_empty((0, width), dtype=torch.int32)
+
+
+@torch.library.custom_op("titan_kimi::indexer_topk", mutates_args=())
+def indexer_topk_op(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float
+) -> torch.Tensor:
+    if selected_backend("indexer") == "triton" and q.is_cuda:
+        from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
+
+        return triton_indexer_topk(q, k, w, seg_start, topk, scale)
+    return indexer_topk_reference(q, k, w, seg_start, topk, scale)
+
+
+@indexer_topk_op.register_fake
+def _(q, k, w, seg_start, topk, scale):
+    return q.new_empty((q.shape[0], min(topk, q.shape[0])), dtype=torch.int32)
+
+
+def indexer_topk(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, *, topk: int, scale: float
+) -> torch.Tensor:
+    """Indices ``[T, min(topk, T)]`` (int32, ascending, -1 = empty) of the keys each query attends to."""
+    T = q.shape[0]
+    if q.dim() != 3 or k.shape != (T, q.shape[2]) or w.shape != q.shape[:2] or seg_start.shape != (T,):
+        raise ValueError(
+            f"indexer_topk expects q [T,HI,D], k [T,D], w [T,HI], seg_start [T]; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(w.shape)}, {tuple(seg_start.shape)}"
+        )
+    if topk < 1:
+        raise ValueError(f"indexer_topk needs topk >= 1, got {topk}")
+    return indexer_topk_op(q.detach(), k.detach(), w.detach(), seg_start.to(torch.int32), topk, scale)

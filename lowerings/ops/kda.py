@@ -1,0 +1,166 @@
+"""``titan_kimi::kda``: the chunked gated delta rule as an opaque custom op with autograd.
+
+FLA disables dynamo on its KDA entry points on purpose, so the op boundary is what keeps a compiled KDA
+block in one graph. Forward and backward are separate ops whose bodies dispatch to the selected backend.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lowerings.ops.kda_reference import kda_reference
+from lowerings.ops.registry import all_of, cuda_available, module_available, op_backends, selected_backend
+
+BACKENDS = op_backends("kda")
+BACKENDS.add("fla", all_of(cuda_available, module_available("fla")), auto_rank=0)
+
+_EMPTY = (0,)
+
+
+def _num_sequences(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    return cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+
+
+def _differentiable_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state):
+    return [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state) if x is not None]
+
+
+def _reference_backward(
+    d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk
+):
+    present = [x is not None for x in (A_log, dt_bias, initial_state)]
+
+    def forward(q, k, v, g, beta, *optional):
+        it = iter(optional)
+        a, d, s = (next(it) if p else None for p in present)
+        return kda_reference(q, k, v, g, beta, a, d, lower_bound, scale, cu_seqlens, s, output_final_state, l2norm_qk)
+
+    inputs = _differentiable_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state)
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(forward, *inputs)
+    grads = list(vjp((d_o, d_final)))
+    return grads
+
+
+@torch.library.custom_op("titan_kimi::kda", mutates_args=())
+def kda_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor],
+    lower_bound: Optional[float],
+    scale: float,
+    cu_seqlens: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor],
+    output_final_state: bool,
+    l2norm_qk: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk)
+    if selected_backend("kda") == "fla" and q.is_cuda:
+        from lowerings.kernels.fla_kda import fla_kda_forward
+
+        return fla_kda_forward(*args)
+    return kda_reference(*args)
+
+
+@kda_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk):
+    shape = (_num_sequences(q, cu_seqlens), *q.shape[2:], v.shape[-1]) if output_final_state else _EMPTY
+    final = q.new_empty(shape, dtype=torch.float32)
+    return torch.empty_like(v), final
+
+
+@torch.library.custom_op("titan_kimi::kda_backward", mutates_args=())
+def kda_backward_op(
+    d_o: torch.Tensor,
+    d_final: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: Optional[torch.Tensor],
+    dt_bias: Optional[torch.Tensor],
+    lower_bound: Optional[float],
+    scale: float,
+    cu_seqlens: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor],
+    output_final_state: bool,
+    l2norm_qk: bool,
+) -> list[torch.Tensor]:
+    """Gradients for (q, k, v, g, beta) followed by those of the optional inputs that are present."""
+    args = (d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk)
+    if selected_backend("kda") == "fla" and q.is_cuda:
+        from lowerings.kernels.fla_kda import fla_kda_backward
+
+        return fla_kda_backward(*args)
+    return [x.contiguous() for x in _reference_backward(*args)]
+
+
+@kda_backward_op.register_fake
+def _(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk):
+    return [torch.empty_like(x) for x in _differentiable_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk = inputs
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)
+    ctx.static = (lower_bound, scale, output_final_state, l2norm_qk)
+
+
+def _backward(ctx, d_o, d_final):
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state = ctx.saved_tensors
+    lower_bound, scale, output_final_state, l2norm_qk = ctx.static
+    if d_o is None:
+        d_o = torch.zeros_like(v)
+    if d_final is None:
+        shape = (_num_sequences(q, cu_seqlens), *q.shape[2:], v.shape[-1]) if output_final_state else _EMPTY
+        d_final = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    grads = iter(
+        kda_backward_op(
+            d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk
+        )
+    )
+    dq, dk, dv, dg, dbeta = (next(grads) for _ in range(5))
+    dA = next(grads) if A_log is not None else None
+    ddt = next(grads) if dt_bias is not None else None
+    ds = next(grads) if initial_state is not None else None
+    return dq, dk, dv, dg, dbeta, dA, ddt, None, None, None, ds, None, None
+
+
+torch.library.register_autograd("titan_kimi::kda", _backward, setup_context=_setup_context)
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    l2norm_qk: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kimi Delta Attention; see docs/ops.md. Returns (o, final_state or None)."""
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"kda with cu_seqlens needs batch 1 (packed tokens), got q of shape {tuple(q.shape)}")
+    if q.shape != k.shape or g.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(
+            f"kda shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+            f"beta {tuple(beta.shape)}; expected q = k = g = [B,T,H,K], v = [B,T,H,V], beta = [B,T,H]"
+        )
+    o, final = kda_op(
+        q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk
+    )
+    return o, (final if output_final_state else None)

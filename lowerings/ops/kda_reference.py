@@ -1,0 +1,155 @@
+"""Pure-PyTorch Kimi Delta Attention (chunked gated delta rule) that runs on CPU.
+
+Per sequence and head, with state S in R^{K x V} (fp32, S_0 = 0 or the initial state):
+    S_t = (I - beta_t k_t k_t^T) Diag(exp g_t) S_{t-1} + beta_t k_t v_t^T,   o_t = scale * S_t^T q_t.
+
+Chunked (WY) form over chunks of C tokens, with G the chunk-local cumulative log decay: the per-token updates
+u_t = beta_t (v_t - S_bar_t^T k_t) solve a unit lower-triangular system, and every decay factor is
+exp(G_t - G_i) with i <= t (never exp of a positive number), so it is safe for strong gates. Document
+boundaries are masks, not loops: pairs in different segments do not interact, and the carried state only
+reaches tokens whose segment began before the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 16
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(u: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None, lower_bound: float | None) -> torch.Tensor:
+    """Log-space forget gate from the raw input u [..., H, K]: lb * sigmoid(exp(A_log) (u + dt_bias))."""
+    H, K = u.shape[-2:]
+    x = u.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().view(H, K)
+    a = A_log.float().exp().view(H, 1)
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    return lower_bound * torch.sigmoid(a * x)
+
+
+def _segment_starts_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
+
+
+def _chunked_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    seg_start: torch.Tensor | None,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 chunked recurrence over rows. q,k,g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; state [B,H,K,V].
+
+    seg_start [B,T] (row-local first index of each token's segment) or None for one sequence per row.
+    Returns o [B,T,H,V] and the state after the last token.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = CHUNK
+    pad = (-T) % C
+    if pad:
+        # Padded tail: k = v = beta = g = 0 leaves the state unchanged; it joins the last segment.
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+        if seg_start is not None:
+            seg_start = torch.cat([seg_start, seg_start[:, -1:].expand(B, pad)], dim=1)
+    N = (T + pad) // C
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B,T,H,D] -> [B,H,N,C,D]
+        return x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4)
+
+    qc, kc, vc = chunks(q), chunks(k), chunks(v)
+    Gc = chunks(g).cumsum(dim=3)
+    bc = beta.view(B, N, C, H).permute(0, 3, 1, 2)
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = incl.tril(-1)
+    if seg_start is not None:
+        sc = seg_start.view(B, N, C)
+        chunk_first = torch.arange(N, device=q.device).view(1, N, 1) * C
+        carry_all = sc < chunk_first  # [B,N,C]: the token's segment began before this chunk
+        same_all = sc[..., :, None] == sc[..., None, :]  # [B,N,C,C]
+
+    outs = []
+    for n in range(N):
+        qn, kn, vn, Gn, bn = qc[:, :, n], kc[:, :, n], vc[:, :, n], Gc[:, :, n], bc[:, :, n]
+        if seg_start is None:
+            m_incl, m_strict = incl, strict
+            carry = torch.ones(1, 1, C, 1, dtype=q.dtype, device=q.device)
+            end_mask = torch.ones(1, 1, C, 1, dtype=torch.bool, device=q.device)
+        else:
+            same = same_all[:, n].unsqueeze(1)  # [B,1,C,C]
+            m_incl, m_strict = incl & same, strict & same
+            carry = carry_all[:, n].to(q.dtype).view(B, 1, C, 1)
+            end_mask = same[:, :, C - 1, :].unsqueeze(-1)  # tokens in the last token's segment
+        diff = Gn.unsqueeze(3) - Gn.unsqueeze(2)  # [B,H,C(t),C(i),K] = G_t - G_i
+        decay_incl = diff.masked_fill(~m_incl.unsqueeze(-1), float("-inf")).exp()
+        decay_strict = decay_incl * m_strict.unsqueeze(-1)
+        A_kk = torch.einsum("bhtk,bhik,bhtik->bhti", kn, kn, decay_strict)
+        A_qk = torch.einsum("bhtk,bhik,bhtik->bhti", qn, kn, decay_incl)
+        gamma = Gn.exp() * carry  # decay since chunk start, only for tokens that see the carried state
+        rhs = bn.unsqueeze(-1) * (vn - torch.einsum("bhtk,bhkv->bhtv", kn * gamma, state))
+        L = torch.eye(C, dtype=q.dtype, device=q.device) + bn.unsqueeze(-1) * A_kk
+        U = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+        outs.append(scale * (torch.einsum("bhtk,bhkv->bhtv", qn * gamma, state) + A_qk @ U))
+        G_last = Gn[:, :, C - 1 :, :]
+        dec_end = (G_last - Gn).masked_fill(~end_mask, float("-inf")).exp()
+        state = state * (G_last.squeeze(2).exp() * carry[:, :, C - 1]).unsqueeze(-1)
+        state = state + torch.einsum("bhik,bhiv->bhkv", kn * dec_end, U)
+    o = torch.stack(outs, dim=2).permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)
+    return o[:, :T], state
+
+
+def kda_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+    scale: float,
+    cu_seqlens: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    l2norm_qk: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``kda`` op contract (docs/ops.md) in plain PyTorch; differentiable through autograd."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    qf, kf, vf, bf = q.float(), k.float(), v.float(), beta.float()
+    if l2norm_qk:
+        qf, kf = l2norm(qf), l2norm(kf)
+    gf = kda_gate(g, A_log, dt_bias, lower_bound) if A_log is not None else g.float()
+    if cu_seqlens is None:
+        state = initial_state.float() if initial_state is not None else qf.new_zeros(B, H, K, V)
+        o, final = _chunked_rows(qf, kf, vf, gf, bf, scale, None, state)
+    elif initial_state is None and not output_final_state:
+        seg = _segment_starts_from_cu_seqlens(cu_seqlens, T).view(1, T)
+        o, final = _chunked_rows(qf, kf, vf, gf, bf, scale, seg, qf.new_zeros(1, H, K, V))
+    else:
+        # States per sequence: run each sequence as its own row (rare path: context parallelism).
+        bounds = cu_seqlens.tolist()
+        outs, finals = [], []
+        for n in range(len(bounds) - 1):
+            a, b = bounds[n], bounds[n + 1]
+            s0 = initial_state[n : n + 1].float() if initial_state is not None else qf.new_zeros(1, H, K, V)
+            o_n, f_n = _chunked_rows(qf[:, a:b], kf[:, a:b], vf[:, a:b], gf[:, a:b], bf[:, a:b], scale, None, s0)
+            outs.append(o_n)
+            finals.append(f_n)
+        o, final = torch.cat(outs, dim=1), torch.cat(finals, dim=0)
+    if not output_final_state:
+        final = qf.new_zeros(0)
+    return o.to(v.dtype).contiguous(), final

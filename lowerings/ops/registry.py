@@ -1,0 +1,116 @@
+"""Backend registry: which implementation each op runs.
+
+Every op has a ``reference`` backend (pure PyTorch, runs anywhere). Fused backends register an availability
+check; selecting one that is unavailable fails at config validation with the reason, never mid-step.
+``auto`` picks the first available backend of the op's preference order and logs the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+logger = logging.getLogger(__name__)
+
+AvailabilityCheck = Callable[[], "str | None"]  # None when available, else the reason it is not
+
+
+def always_available() -> str | None:
+    return None
+
+
+@dataclass
+class OpBackends:
+    """The backends of one op: name -> availability check, plus the ``auto`` preference order."""
+
+    op: str
+    checks: dict[str, AvailabilityCheck] = field(default_factory=dict)
+    auto_order: list[str] = field(default_factory=list)
+    selected: str = "reference"
+
+    def add(self, name: str, check: AvailabilityCheck = always_available, *, auto_rank: int | None = None) -> None:
+        self.checks[name] = check
+        if auto_rank is not None:
+            self.auto_order.insert(min(auto_rank, len(self.auto_order)), name)
+
+    def choices(self) -> list[str]:
+        return ["auto", *self.checks]
+
+    def resolve(self, name: str) -> str:
+        """Return the concrete backend for ``name`` or raise ValueError saying why it cannot run here."""
+        if name == "auto":
+            for candidate in self.auto_order:
+                if self.checks[candidate]() is None:
+                    return candidate
+            return "reference"
+        if name not in self.checks:
+            raise ValueError(f"kernels.{self.op} = {name!r} is not a backend of {self.op}; valid: {self.choices()}")
+        reason = self.checks[name]()
+        if reason is not None:
+            raise ValueError(f"kernels.{self.op} = {name!r} is not available on this machine: {reason}")
+        return name
+
+
+_REGISTRY: dict[str, OpBackends] = {}
+
+
+def op_backends(op: str) -> OpBackends:
+    if op not in _REGISTRY:
+        backends = OpBackends(op)
+        backends.add("reference")
+        _REGISTRY[op] = backends
+    return _REGISTRY[op]
+
+
+def selected_backend(op: str) -> str:
+    return op_backends(op).selected
+
+
+def known_ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def configure_backends(choices: Mapping[str, str]) -> dict[str, str]:
+    """Validate and apply ``{op: backend}`` (the ``[kernels]`` section); returns the resolved choices.
+
+    All choices are checked before any is applied, so a bad config changes nothing.
+    """
+    resolved = {}
+    for op, name in choices.items():
+        if op not in _REGISTRY:
+            raise ValueError(f"kernels.{op}: unknown op; valid ops: {known_ops()}")
+        resolved[op] = _REGISTRY[op].resolve(name)
+    for op, name in resolved.items():
+        _REGISTRY[op].selected = name
+        if choices[op] == "auto":
+            logger.info("kernels.%s = auto -> %s", op, name)
+    return resolved
+
+
+def cuda_available() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+def module_available(module: str) -> AvailabilityCheck:
+    def check() -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec(module) is None:
+            return f"python module {module!r} is not installed"
+        return None
+
+    return check
+
+
+def all_of(*checks: AvailabilityCheck) -> AvailabilityCheck:
+    def check() -> str | None:
+        for c in checks:
+            reason = c()
+            if reason is not None:
+                return reason
+        return None
+
+    return check
