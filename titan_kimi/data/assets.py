@@ -1,0 +1,10 @@
+"""Paths of the small tokenizer and sample data shipped inside the package (titan_kimi/assets/)."""
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+# Our own byte-level BPE in the Kimi tiktoken format, vocab_size 2048 (scripts/build_tokenizer.py).
+TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
+# Our own generated corpora (scripts/make_sample_data.py).
+SAMPLE_TEXT_PATH = ASSETS_DIR / "data" / "sample_text.jsonl"
+SAMPLE_HELLASWAG_PATH = ASSETS_DIR / "data" / "sample_hellaswag.jsonl"
