@@ -1,0 +1,289 @@
+"""Sparse MLA forward in the absorbed latent form (docs/ops.md, op `sparse_mla`), in Triton.
+
+    q [T, H, Dqk], kv [S_kv, Dqk] (one latent row per key, shared by all heads; kv[:, :d_v] are the values),
+    idx [T, k] int32 global rows of kv (-1, or anything outside [0, S_kv), marks an unused slot)
+    -> out [T, H, d_v] (dtype of q), lse [T, H] fp32, natural log; rows without a valid key give out = 0,
+       lse = -inf.
+
+Grid: (token, head block). Each program gathers BLOCK_N kv rows per step (split into the value part
+[BLOCK_N, d_v] and the rope tail [BLOCK_N, Dqk - d_v]), computes scores with two dots, and runs an online
+softmax in base 2 (scores pre-multiplied by scale * log2 e) with fp32 accumulation.
+
+Two layouts of the same math (constexpr KEYS_MAJOR):
+* keys-major (default): S^T = KV_blk @ Q^T, so the MMA M dimension is BLOCK_N keys and the heads are N.
+  Hopper wgmma needs M % 64 == 0; this keeps both GEMMs on wgmma with Q and KV in shared memory even for
+  32-head blocks, so 96 heads run as 3 x 32 with no padding. The accumulator is O^T [d_v, BLOCK_H].
+* heads-major: the textbook flash layout (M = heads). Kept as a fallback / A-B candidate.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["sparse_mla_fwd", "fwd_configs", "default_fwd_config", "row_extent"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers shared with sparse_mla_bwd
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled(t: torch.Tensor) -> bool:
+    """Autotune only on a real GPU: the CPU interpreter has no driver to benchmark with."""
+    return t.is_cuda and not interpreting() and os.environ.get("TITAN_KIMI_TRITON_AUTOTUNE", "1") != "0"
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """Launch through torch.library.wrap_triton when possible, so the entry points can be the body of a
+    torch.library.triton_op (Inductor sees the kernel); interpreted kernels are launched directly."""
+    if isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
+        wrap = getattr(torch.library, "wrap_triton", None)
+        if wrap is not None:
+            wrap(kernel)[grid](*args, **kwargs)
+            return
+    kernel[grid](*args, **kwargs)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs (tests) use exact fp32 products; bf16/fp16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_sparse_mla_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"sparse_mla: q must be [T, H, Dqk], got shape {tuple(q.shape)}")
+    if kv.dim() != 2:
+        raise ValueError(f"sparse_mla: kv must be [S_kv, Dqk], got shape {tuple(kv.shape)}")
+    if idx.dim() != 2 or idx.shape[0] != q.shape[0]:
+        raise ValueError(f"sparse_mla: idx must be [T={q.shape[0]}, k], got shape {tuple(idx.shape)}")
+    if idx.dtype != torch.int32:
+        raise ValueError(f"sparse_mla: idx must be int32, got {idx.dtype}")
+    if kv.shape[1] != q.shape[2]:
+        raise ValueError(f"sparse_mla: q Dqk={q.shape[2]} != kv Dqk={kv.shape[1]}")
+    if not 0 < d_v <= q.shape[2]:
+        raise ValueError(f"sparse_mla: d_v={d_v} must be in (0, Dqk={q.shape[2]}]")
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32) or kv.dtype != q.dtype:
+        raise ValueError(f"sparse_mla: q/kv must share a float dtype (bf16, fp16, fp32), got {q.dtype}/{kv.dtype}")
+    if not (q.device == kv.device == idx.device):
+        raise ValueError(f"sparse_mla: q, kv, idx on different devices: {q.device}, {kv.device}, {idx.device}")
+
+
+@triton.jit
+def _row_extent_kernel(IDX, EXT, stride_it, S_KV, TOPK, BLOCK: tl.constexpr):
+    # EXT[t] = 1 + last slot of row t holding a valid index (0 if none). Used as the key-loop bound so
+    # rows with a -1 suffix (early tokens, short documents) skip their empty key blocks.
+    t = tl.program_id(0)
+    best = tl.zeros([BLOCK], tl.int32)
+    for n0 in range(0, TOPK, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        kid = tl.load(IDX + t.to(tl.int64) * stride_it + offs, mask=offs < TOPK, other=-1)
+        ok = (kid >= 0) & (kid < S_KV)
+        best = tl.maximum(best, tl.where(ok, offs + 1, 0))
+    tl.store(EXT + t, tl.max(best, 0))
+
+
+def row_extent(idx: torch.Tensor, s_kv: int) -> torch.Tensor:
+    """[T] int32: one past the last valid slot of each idx row."""
+    T, k = idx.shape
+    ext = torch.empty(T, dtype=torch.int32, device=idx.device)
+    if T > 0:
+        launch(_row_extent_kernel, (T,), idx, ext, idx.stride(0), s_kv, k, BLOCK=min(1024, next_pow2(max(k, 16))))
+    return ext
+
+
+# ----------------------------------------------------------------------------------------------------------
+# forward kernel
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    Q, KV, IDX, EXT, OUT, LSE,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
+    H, S_KV, qk_scale_log2,
+    D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_MAJOR: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    offs_v = tl.arange(0, BLOCK_DV)
+    v_ok = offs_v < D_V
+    offs_r = tl.arange(0, BLOCK_DR)
+    r_ok = offs_r < D_R  # all False when D_R == 0: the rope dot then adds zeros
+    n_end = tl.load(EXT + t)
+    q_row = Q + t * stride_qt
+    idx_row = IDX + t * stride_it
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+
+    if KEYS_MAJOR:
+        # Q^T tiles [D, BLOCK_H]: the B operand of S^T = KV @ Q^T.
+        qn = tl.load(q_row + offs_h[None, :] * stride_qh + offs_v[:, None],
+                     mask=v_ok[:, None] & h_ok[None, :], other=0.0)
+        qr = tl.load(q_row + offs_h[None, :] * stride_qh + D_V + offs_r[:, None],
+                     mask=r_ok[:, None] & h_ok[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
+        for n0 in range(0, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            kid = tl.load(idx_row + offs_n, mask=offs_n < n_end, other=-1)
+            ok = (kid >= 0) & (kid < S_KV)
+            kv_row = KV + kid.to(tl.int64) * stride_kvt
+            kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+            kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+            s = tl.dot(kn, qn, input_precision=DOT_PREC)
+            s = tl.dot(kr, qr, s, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
+            s = tl.where(ok[:, None], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-masked so far: avoid inf - inf
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc = acc * alpha[None, :]
+            acc = tl.dot(tl.trans(kn), p.to(kn.dtype), acc, input_precision=DOT_PREC)  # [D_V, BLOCK_H]
+            m_i = m_new
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[None, :]
+        tl.store(OUT + t * stride_ot + offs_h[None, :] * stride_oh + offs_v[:, None],
+                 o.to(OUT.dtype.element_ty), mask=v_ok[:, None] & h_ok[None, :])
+    else:
+        qn = tl.load(q_row + offs_h[:, None] * stride_qh + offs_v[None, :],
+                     mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+        qr = tl.load(q_row + offs_h[:, None] * stride_qh + D_V + offs_r[None, :],
+                     mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+        for n0 in range(0, n_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            kid = tl.load(idx_row + offs_n, mask=offs_n < n_end, other=-1)
+            ok = (kid >= 0) & (kid < S_KV)
+            kv_row = KV + kid.to(tl.int64) * stride_kvt
+            kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+            kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+            s = tl.dot(qn, tl.trans(kn), input_precision=DOT_PREC)
+            s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_N]
+            s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(kn.dtype), kn, acc, input_precision=DOT_PREC)  # [BLOCK_H, D_V]
+            m_i = m_new
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(OUT + t * stride_ot + offs_h[:, None] * stride_oh + offs_v[None, :],
+                 o.to(OUT.dtype.element_ty), mask=h_ok[:, None] & v_ok[None, :])
+
+    # natural-log LSE from the base-2 running max/sum: ln(sum e^x) = ln2 * (m + log2 l)
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + t * stride_lt + offs_h, lse, mask=h_ok)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# configs
+
+
+def _cfg(bh: int, bn: int, km: bool, warps: int, stages: int) -> dict:
+    return dict(BLOCK_H=bh, BLOCK_N=bn, KEYS_MAJOR=km, num_warps=warps, num_stages=stages)
+
+
+def _head_block(H: int, largest: int = 32) -> int:
+    # 16 <= BLOCK_H <= largest, preferring a divisor of H (96 -> 32, 16 -> 16, 64/128 -> 32).
+    for bh in (largest, 32, 16):
+        if bh <= largest and H % bh == 0:
+            return bh
+    return max(16, min(largest, next_pow2(H)))
+
+
+def default_fwd_config(H: int, on_gpu: bool = True) -> dict:
+    """The config used when autotuning is off. Keys-major, 4 warps = one warpgroup owning M = 64 keys;
+    a [64, 576] bf16 kv tile is 72 KB, so 2 stages + Q^T (36 KB at 32 heads) fit in sm90 shared memory."""
+    if not on_gpu:  # interpreter: small tiles, the loop bodies still run several times in tests
+        return _cfg(16, 16, True, 4, 1)
+    return _cfg(_head_block(H), 64, True, 4, 2)
+
+
+def fwd_configs(H: int) -> list[dict]:
+    """Small autotune list (each config is a full compile). Pruned to head blocks that suit H."""
+    bh = _head_block(H)
+    cfgs = [
+        _cfg(bh, 64, True, 4, 2),  # default: wgmma M=64, acc O^T [512, 32] = 128 regs/thread
+        _cfg(bh, 64, True, 4, 3),
+        _cfg(bh, 128, True, 8, 1),  # two warpgroups over 128 keys; 144 KB kv tile, single stage
+        _cfg(16, 64, True, 4, 2),
+        _cfg(bh, 32, False, 4, 2),  # heads-major fallback (mma.sync on Hopper)
+    ]
+    if H % 64 == 0:
+        cfgs.append(_cfg(64, 128, True, 8, 1))  # fewer kv re-reads for 64/128 heads
+    out, seen = [], set()
+    for c in cfgs:
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned_fwd(cfg_key: tuple):
+    configs = [
+        triton.Config({k: v for k, v in c if not k.startswith("num_")},
+                      num_warps=dict(c)["num_warps"], num_stages=dict(c)["num_stages"])
+        for c in cfg_key
+    ]
+    return triton.autotune(configs=configs, key=["H", "D_V", "D_R"])(_sparse_mla_fwd_kernel)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# entry point
+
+
+def sparse_mla_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    d_v: int = 512,
+    *,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA forward. Returns (out [T, H, d_v] in q's dtype, lse [T, H] fp32, natural log).
+
+    `config` (keys BLOCK_H, BLOCK_N, KEYS_MAJOR, num_warps, num_stages) pins a config and bypasses the
+    autotuner; so does TITAN_KIMI_TRITON_AUTOTUNE=0 (then `default_fwd_config` is used)."""
+    check_sparse_mla_inputs(q, kv, idx, d_v)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    idx = idx if idx.stride(-1) == 1 else idx.contiguous()
+    T, H, D = q.shape
+    S_kv, k = kv.shape[0], idx.shape[1]
+    d_r = D - d_v
+    out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0 or H == 0:
+        return out, lse
+    ext = row_extent(idx, S_kv) if k > 0 else torch.zeros(T, dtype=torch.int32, device=q.device)
+    args = (q, kv, idx, ext, out, lse,
+            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+            H, S_kv, float(scale) * 1.4426950408889634)
+    meta = dict(D_V=d_v, D_R=d_r, BLOCK_DV=next_pow2(max(d_v, 16)), BLOCK_DR=next_pow2(max(d_r, 16)),
+                DOT_PREC=dot_precision(q.dtype))
+    if config is None and autotune_enabled(q):
+        kernel = _autotuned_fwd(tuple(tuple(sorted(c.items())) for c in fwd_configs(H)))
+        launch(kernel, lambda m: (T, triton.cdiv(H, m["BLOCK_H"])), *args, **meta)
+    else:
+        c = dict(config or default_fwd_config(H, on_gpu=q.is_cuda and not interpreting()))
+        launch(_sparse_mla_fwd_kernel, (T, triton.cdiv(H, c["BLOCK_H"])), *args, **meta, **c)
+    return out, lse
