@@ -1,0 +1,92 @@
+"""Parameter counts and training FLOPs per token (for MFU).
+
+Counting conventions (spec §8): "total" is every parameter, including the frozen router bias and indexer;
+"active" is what one token touches: the input embedding is excluded (a lookup, not a matmul), lm_head is
+included, and only top-k of the routed experts count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int
+    embedding: int
+    routed_experts: int
+    frozen: int
+
+
+def count_params(model: nn.Module) -> ParamCounts:
+    """Counts over the parameters this module holds (a pipeline stage counts only its own)."""
+    args: KimiK3ModelArgs = model.args
+    total = embedding = routed = frozen = inactive = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        total += n
+        if not p.requires_grad:
+            frozen += n
+        if name.startswith("tok_embeddings."):
+            embedding += n
+        if ".moe.experts." in name:
+            routed += n
+            inactive += n * (args.num_experts - args.num_experts_per_tok) // args.num_experts
+    return ParamCounts(total, total - embedding - inactive, embedding, routed, frozen)
+
+
+def _mean_keys(seq_len: int, cap: int | None = None) -> float:
+    """Average number of causal keys per query over a sequence, each capped at ``cap`` (top-k)."""
+    if cap is None or cap >= seq_len:
+        return (seq_len + 1) / 2
+    # Queries 0..cap-1 see t+1 keys, the rest see exactly cap.
+    return (cap * (cap + 1) / 2 + (seq_len - cap) * cap) / seq_len
+
+
+KDA_CHUNK = 64
+
+
+def attention_flops_per_token(args: KimiK3ModelArgs, seq_len: int) -> tuple[float, float]:
+    """Forward FLOPs per token of the token-mixing terms that parameters do not capture.
+
+    Returns (trained, forward_only): the indexer has no gradient, so its scores are never differentiated.
+    """
+    trained = forward_only = 0.0
+    for layer in range(args.n_layers):
+        if args.is_kda_layer(layer):
+            k = v = args.kda_head_dim
+            # Chunked delta rule: S^T q, S^T k, the k u^T update (3 K*V products) + intra-chunk q.k / k.k terms.
+            trained += args.kda_num_heads * 2 * (3 * k * v + KDA_CHUNK * (k + v))
+        elif args.has_indexer:
+            latent = args.kv_lora_rank + args.qk_rope_head_dim
+            trained += 2 * args.n_heads * (latent + args.kv_lora_rank) * _mean_keys(seq_len, args.index_topk)
+            forward_only += 2 * args.index_n_heads * (args.index_head_dim + 1) * _mean_keys(seq_len)
+        else:
+            trained += 2 * args.n_heads * (args.qk_head_dim + args.v_head_dim) * _mean_keys(seq_len)
+    return trained, forward_only
+
+
+def training_flops_per_token(args: KimiK3ModelArgs, seq_len: int, counts: ParamCounts | None = None) -> float:
+    """Forward + backward FLOPs per token: 6 per trained active weight, 2 per frozen one, attention terms.
+
+    Backward costs twice the forward for every trained term; frozen terms run forward only.
+    """
+    if counts is None:
+        counts = _counts_on_meta(args)
+    trained_params = counts.active - counts.frozen
+    attn_trained, attn_frozen = attention_flops_per_token(args, seq_len)
+    return 6 * trained_params + 2 * counts.frozen + 3 * attn_trained + attn_frozen
+
+
+def _counts_on_meta(args: KimiK3ModelArgs) -> ParamCounts:
+    import torch
+
+    from titan_kimi.models.kimi_k3.model import KimiK3Model
+
+    with torch.device("meta"):
+        return count_params(KimiK3Model(args))

@@ -1,0 +1,93 @@
+"""Gated multi-head latent attention (spec §4), and its K3.1 sparse form with the DSA indexer (§16a).
+
+No RoPE anywhere: the 64-dim "rope" slices are ordinary extra dimensions, a key part shared by all heads
+plus a per-head query part. Dense layers use the plain form; DSA layers use the absorbed latent form, in
+which every head attends to the selected rows of the shared 576-dim latent ``[RMSNorm(c_kv) | k_r]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lowerings import ops
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.indexer import Indexer
+from titan_kimi.models.kimi_k3.init import init_linear
+from titan_kimi.models.kimi_k3.norms import RMSNorm
+from titan_kimi.models.kimi_k3.sequence import SequenceInfo
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, args: KimiK3ModelArgs) -> None:
+        super().__init__()
+        self.n_heads = n = args.n_heads
+        self.nope, self.rope, self.v_dim = args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim
+        self.kv_lora_rank = args.kv_lora_rank
+        self.qk_dim = self.nope + self.rope
+        self.scale = self.qk_dim**-0.5
+        self.init_std = args.init_std
+        if args.q_lora_rank:
+            self.q_a_proj = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, eps=args.mla_norm_eps)
+            self.q_b_proj = nn.Linear(args.q_lora_rank, n * self.qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(args.dim, n * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(args.dim, args.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, eps=args.mla_norm_eps)
+        self.kv_b_proj = nn.Linear(args.kv_lora_rank, n * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(n * self.v_dim, args.dim, bias=False)
+        self.g_proj = nn.Linear(args.dim, n * self.v_dim, bias=False) if args.mla_output_gate else None
+        self.indexer = Indexer(args) if args.has_indexer else None
+
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x), None
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        return self.q_b_proj(q_latent), q_latent
+
+    def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
+        B, S, _ = x.shape
+        n = self.n_heads
+        q, q_latent = self._queries(x)
+        q = q.view(B, S, n, self.qk_dim)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        if self.indexer is None:
+            out = self._dense_attention(q, c_kv, k_rope, seq)
+        else:
+            out = self._sparse_attention(q, c_kv, k_rope, self.indexer(x, q_latent, seq))
+        out = out.reshape(B, S, n * self.v_dim)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+    def _dense_attention(self, q, c_kv, k_rope, seq: SequenceInfo) -> torch.Tensor:
+        B, S, n, _ = q.shape
+        k_nope, v = self.kv_b_proj(c_kv).view(B, S, n, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, S, n, self.rope)], dim=-1)
+        return ops.causal_attention(q, k, v, scale=self.scale, seg_start=seq.seg_start)
+
+    def _sparse_attention(self, q, c_kv, k_rope, indices: torch.Tensor) -> torch.Tensor:
+        B, S, n, _ = q.shape
+        T = B * S
+        w_kv = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = w_kv[:, : self.nope], w_kv[:, self.nope :]
+        q_nope, q_rope = q.view(T, n, self.qk_dim).split([self.nope, self.rope], dim=-1)
+        # q_nope . (W_k c) == (W_k^T q_nope) . c: queries move into the latent space instead of keys leaving it.
+        q_latent = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_k), q_rope], dim=-1)
+        kv_latent = torch.cat([c_kv, k_rope], dim=-1).view(T, self.kv_lora_rank + self.rope)
+        out_latent, _ = ops.sparse_mla(q_latent, kv_latent, indices, scale=self.scale, d_v=self.kv_lora_rank)
+        return torch.einsum("thc,hvc->thv", out_latent, w_v).view(B, S, n, self.v_dim)
+
+    def init_weights(self) -> None:
+        linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj]
+        linears += [self.q_proj] if hasattr(self, "q_proj") else [self.q_a_proj, self.q_b_proj]
+        linears += [self.g_proj] if self.g_proj is not None else []
+        for linear in linears:
+            init_linear(linear, self.init_std)
+        for norm in (getattr(self, "q_a_layernorm", None), self.kv_a_layernorm):
+            if norm is not None:
+                norm.init_weights()
+        if self.indexer is not None:
+            self.indexer.init_weights()

@@ -1,0 +1,96 @@
+"""The Kimi K3 / K3.1 text model, buildable whole or as a pipeline stage of whole AttnRes blocks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.attn_res import AttnResMix
+from titan_kimi.models.kimi_k3.block import KimiK3Block
+from titan_kimi.models.kimi_k3.norms import RMSNorm
+from titan_kimi.models.kimi_k3.sequence import SequenceInfo, build_sequence_info
+
+
+class KimiK3Model(nn.Module):
+    """Embedding -> decoder layers -> final AttnRes mix -> norm -> lm_head.
+
+    ``layer_range=(first, last)`` builds a stage with layers ``[first, last)``: the first stage owns the
+    embedding, the last one the output mix, norm and lm_head. With AttnRes, stage boundaries must fall on
+    block boundaries, and a stage that is not last returns ``(hidden, bank)`` instead of logits.
+    """
+
+    def __init__(self, args: KimiK3ModelArgs, layer_range: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.args = args
+        first, last = layer_range if layer_range is not None else (0, args.n_layers)
+        if not 0 <= first < last <= args.n_layers:
+            raise ValueError(f"layer_range {layer_range} must satisfy 0 <= first < last <= n_layers={args.n_layers}")
+        block = args.attn_res_block_size
+        if block and (first % block or (last % block and last != args.n_layers)):
+            raise ValueError(
+                f"layer_range {layer_range} cuts an AttnRes block: stage boundaries must be multiples of "
+                f"attn_res_block_size={block} (or n_layers={args.n_layers})"
+            )
+        self.first_layer, self.last_layer = first, last
+        self.is_first, self.is_last = first == 0, last == args.n_layers
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): KimiK3Block(i, args) for i in range(first, last)})
+        if self.is_last:
+            self.output_mix = AttnResMix(args.dim, args.norm_eps, args.init_std) if block else None
+            self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        else:
+            self.output_mix = self.norm = self.output = None
+
+    def forward(
+        self,
+        tokens: torch.Tensor | None = None,
+        *,
+        hidden: torch.Tensor | None = None,
+        bank: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        seq: SequenceInfo | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """First stage: ``tokens [B,S]``. Later stages: ``hidden [B,S,H]`` and ``bank [B*S,m,H]``.
+
+        ``doc_ids [B,S]`` (0 = padding) makes attention document-causal and resets KDA at each document.
+        Returns logits ``[B,S,V]`` from the last stage, else ``(hidden, bank)``; ``return_hidden`` makes the
+        last stage return the normalised final hidden states instead of logits (for a chunked loss).
+        """
+        if self.is_first:
+            if tokens is None:
+                raise ValueError("the first stage needs tokens [B, S]")
+            hidden = self.tok_embeddings(tokens)
+            bank = hidden.new_empty(hidden.shape[0] * hidden.shape[1], 0, hidden.shape[2])
+        elif hidden is None or bank is None:
+            raise ValueError(f"a stage starting at layer {self.first_layer} needs hidden and bank from the previous stage")
+        B, S = hidden.shape[:2]
+        if seq is None:
+            seq = build_sequence_info(B, S, hidden.device, doc_ids)
+        for layer in self.layers.values():
+            hidden, bank = layer(hidden, bank, seq)
+        if not self.is_last:
+            return hidden, bank
+        if self.output_mix is not None:
+            hidden = self.output_mix(bank, hidden)
+        hidden = self.norm(hidden)
+        return hidden if return_hidden else self.output(hidden)
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Spec §14: N(0, init_std) linears and embedding, unit norms, lm_head truncated normal H^-1/2."""
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.args.init_std)
+            self.tok_embeddings.weight[self.args.pad_token_id].zero_()
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.is_last:
+            if self.output_mix is not None:
+                self.output_mix.init_weights()
+            self.norm.init_weights()
+            std = 1.0 / math.sqrt(self.args.dim)
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

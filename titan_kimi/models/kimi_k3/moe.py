@@ -1,0 +1,151 @@
+"""Stable LatentMoE (spec §7.2-7.3): fp32 sigmoid router with a selection-only bias, SiTU-GLU experts in a
+latent space, router weights applied after the expert down-projection, latent RMSNorm, shared expert.
+
+Module names follow torchtitan (``moe.router``, ``moe.experts`` with ``forward(x, num_tokens_per_expert)``)
+so its expert-parallel style applies to ``moe.experts`` unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from lowerings import ops
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.init import init_linear
+from titan_kimi.models.kimi_k3.mlp import SituMLP
+from titan_kimi.models.kimi_k3.norms import RMSNorm
+
+
+class Router(nn.Module):
+    fp32_params = ("e_score_correction_bias",)
+
+    def __init__(self, args: KimiK3ModelArgs) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
+        self.score_func, self.route_norm, self.route_scale = args.router_score_func, args.route_norm, args.route_scale
+        self.num_groups, self.topk_groups = args.num_expert_groups, args.topk_groups
+        self.init_std = args.init_std
+        self.gate = nn.Linear(args.dim, args.num_experts, bias=False)
+        # The checkpoint's aux-loss-free bias: it picks experts but never weights them, and it is not trained.
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(args.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, D]`` -> routing weights ``[T, k]`` (fp32) and expert indices ``[T, k]``."""
+        logits = x.float() @ self.gate.weight.float().t()
+        scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
+        choice = scores.detach() + self.e_score_correction_bias.float()
+        if self.num_groups > 1 and self.topk_groups < self.num_groups:
+            grouped = choice.view(x.shape[0], self.num_groups, -1)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+        indices = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        if self.route_norm and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.route_scale, indices
+
+    def init_weights(self) -> None:
+        init_linear(self.gate, self.init_std)
+        nn.init.zeros_(self.e_score_correction_bias)
+
+
+class GroupedExperts(nn.Module):
+    """All routed experts of a layer as stacked weights: ``w13 [E, 2F, L]`` (gate rows then up), ``w2 [E, L, F]``."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, beta: float, beta_lin: float, init_std: float) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.beta, self.beta_lin, self.init_std = beta, beta_lin, init_std
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x [N, L]`` sorted by expert with ``num_tokens_per_expert [E_local]`` rows each -> ``[N, L]``."""
+        w13, w2 = self.w13, self.w2
+        expert_parallel = isinstance(w13, DTensor) and "ep" in (w13.device_mesh.mesh_dim_names or ())
+        if isinstance(w13, DTensor):
+            # Tokens per expert vary step to step, which DTensor cannot express; run on the local shards.
+            w13, w2 = w13.to_local(), w2.to_local()
+        if x.is_cuda and not expert_parallel:
+            return _padded_for_grouped_mm(self._run, w13, w2, x, num_tokens_per_expert)
+        return self._run(w13, w2, x, num_tokens_per_expert)
+
+    def _run(self, w13, w2, x, num_tokens_per_expert):
+        offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+        h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offsets)
+        h = ops.situ_glu(h, self.beta, self.beta_lin)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+
+    def init_weights(self) -> None:
+        nn.init.normal_(self.w13, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w2, mean=0.0, std=self.init_std)
+
+
+def _padded_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert):
+    """CUDA grouped GEMMs need every expert's row count aligned; torchtitan's permutation pads them."""
+    from torchtitan.models.moe.utils import _permute, _unpermute
+
+    num_local = w13.shape[0]
+    shape, x, permuted, counts = _permute(x, num_tokens_per_expert, num_tokens_per_expert.shape[0] // num_local, num_local)
+    return _unpermute(run(w13, w2, x, counts), shape, permuted)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, args: KimiK3ModelArgs) -> None:
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.num_experts = args.num_experts
+        latent = args.moe_latent_dim or args.dim
+        self.router = Router(args)
+        self.experts = GroupedExperts(
+            args.num_experts, latent, args.moe_inter_dim, args.situ_beta, args.situ_linear_beta, args.init_std
+        )
+        if args.moe_latent_dim:
+            self.routed_expert_down_proj = nn.Linear(args.dim, latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent, args.dim, bias=False)
+            self.routed_expert_norm = RMSNorm(latent, eps=args.norm_eps) if args.latent_moe_use_norm else None
+        else:
+            self.routed_expert_down_proj = self.routed_expert_up_proj = self.routed_expert_norm = None
+        self.shared_experts = (
+            SituMLP(args.dim, args.moe_inter_dim * args.num_shared_experts, args.situ_beta, args.situ_linear_beta,
+                    args.init_std)
+            if args.num_shared_experts
+            else None
+        )
+        self.init_std = args.init_std
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        x = x.view(B * S, D)
+        weights, indices = self.router(x)
+        z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
+        flat = indices.view(-1)
+        order = torch.argsort(flat, stable=True)
+        # histc keeps the output shape static (bincount's is data dependent), which compile needs.
+        counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts).to(torch.int64)
+        routed = self.experts(z[order // self.top_k], counts)
+        unsorted = torch.empty_like(routed)
+        unsorted[order] = routed
+        # Router weights act after the down-projection, summed in fp32 over the bf16-rounded expert outputs.
+        r = (weights.unsqueeze(-1) * unsorted.view(B * S, self.top_k, -1).float()).sum(1).to(x.dtype)
+        if self.routed_expert_norm is not None:
+            r = self.routed_expert_norm(r)
+        y = self.routed_expert_up_proj(r) if self.routed_expert_up_proj is not None else r
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.view(B, S, D)
+
+    def init_weights(self) -> None:
+        self.router.init_weights()
+        self.experts.init_weights()
+        for linear in (self.routed_expert_down_proj, self.routed_expert_up_proj):
+            if linear is not None:
+                init_linear(linear, self.init_std)
+        if self.routed_expert_norm is not None:
+            self.routed_expert_norm.init_weights()
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights()

@@ -1,0 +1,40 @@
+"""Causal depthwise short convolution with SiLU, reset at every segment start (the KDA q/k/v convs)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ShortConv(nn.Module):
+    """``y_t = SiLU(sum_i w[:, W-1-i] x_{t-i})`` over the current segment only; weight ``[C, 1, W]`` in fp32.
+
+    Written as shifted multiply-adds so Inductor fuses it into one pointwise kernel.
+    """
+
+    fp32_params = ("weight",)
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+
+    def forward(self, x: torch.Tensor, pos_in_seg: torch.Tensor | None) -> torch.Tensor:
+        S = x.shape[1]
+        w = self.weight.float().squeeze(1)  # [C, W]; w[:, W-1] multiplies the current token
+        xf = x.float()
+        y = xf * w[:, -1]
+        for shift in range(1, self.kernel_size):
+            past = F.pad(xf, (0, 0, shift, 0))[:, :S]
+            if pos_in_seg is not None:
+                past = past * (pos_in_seg >= shift).unsqueeze(-1)
+            y = y + past * w[:, -1 - shift]
+        return F.silu(y).to(x.dtype)
+
+    def init_weights(self) -> None:
+        # PyTorch's Conv1d default: kaiming_uniform(a=sqrt(5)) == U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        nn.init.uniform_(self.weight, -bound, bound)
