@@ -1,0 +1,190 @@
+"""Checks that involve several keys, or the file system. Each error names every key involved and its source."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from titan_kimi.config.errors import ConfigError, bad_value, mention
+from titan_kimi.config.sections import JobConfig
+
+SourceOf = Callable[[str], str]
+Rule = Callable[[JobConfig, SourceOf], None]
+
+_WIDTH = {"bfloat16": 16, "float32": 32}
+_PATH_KINDS = {"file": ("an existing file", Path.is_file), "dir": ("an existing folder", Path.is_dir),
+               "any": ("an existing file or folder", Path.exists)}
+
+
+def _get(cfg: JobConfig, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _reject(cfg: JobConfig, key: str, source_of: SourceOf, problem: str, valid: str,
+            hint: str | None = None) -> ConfigError:
+    return bad_value(key, _get(cfg, key), source_of(key), problem, valid, hint)
+
+
+def _other(cfg: JobConfig, key: str, source_of: SourceOf) -> str:
+    return mention(key, _get(cfg, key), source_of(key))
+
+
+def lora_is_not_built(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.lora.enable:
+        raise _reject(cfg, "lora.enable", source_of, "LoRA training is not built yet in titan_kimi", "false",
+                      "Remove it to train all weights (the indexer stays frozen with model.freeze_indexer)")
+
+
+def schedule_fits_in_training(cfg: JobConfig, source_of: SourceOf) -> None:
+    steps, sched = cfg.training.steps, cfg.lr_scheduler
+    if sched.warmup_steps > steps:
+        raise _reject(cfg, "lr_scheduler.warmup_steps", source_of,
+                      f"warmup is longer than the run ({_other(cfg, 'training.steps', source_of)})",
+                      f"0..{steps}")
+    if sched.decay_ratio == -1:
+        return
+    if sched.decay_type == "constant":
+        raise _reject(cfg, "lr_scheduler.decay_ratio", source_of,
+                      f"has no effect with {_other(cfg, 'lr_scheduler.decay_type', source_of)}",
+                      "-1, or a decay_type of linear|cosine|sqrt")
+    decay_steps = round(steps * sched.decay_ratio)
+    if sched.warmup_steps + decay_steps > steps:
+        most = (steps - sched.warmup_steps) / steps
+        raise _reject(cfg, "lr_scheduler.decay_ratio", source_of,
+                      f"{decay_steps} decay steps plus {_other(cfg, 'lr_scheduler.warmup_steps', source_of)} "
+                      f"exceed {_other(cfg, 'training.steps', source_of)}", f"-1 or in [0, {most:.4g}]")
+
+
+def selective_ac_option_is_known(cfg: JobConfig, source_of: SourceOf) -> None:
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option != "op" and not (re.fullmatch(r"\d+", option) and int(option) >= 1):
+        raise _reject(cfg, "activation_checkpoint.selective_ac_option", source_of, "not a selective-AC option",
+                      "\"op\", or a block frequency written as digits >= 1 (e.g. \"2\")")
+
+
+def compile_has_components(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.compile.mode != "none" and not cfg.compile.components:
+        raise _reject(cfg, "compile.components", source_of,
+                      f"nothing to compile with {_other(cfg, 'compile.mode', source_of)}",
+                      "one or both of model|loss, or compile.mode = \"none\"")
+
+
+def batch_shapes_divide(cfg: JobConfig, source_of: SourceOf) -> None:
+    t, p = cfg.training, cfg.parallelism
+    local = _other(cfg, "training.local_batch_size", source_of)
+    if t.global_batch_size != -1 and t.global_batch_size % t.local_batch_size:
+        raise _reject(cfg, "training.global_batch_size", source_of, f"not a multiple of {local}",
+                      f"-1 or a multiple of {t.local_batch_size} (times the data-parallel degree)")
+    if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
+        raise _reject(cfg, "parallelism.pipeline_parallel_microbatch_size", source_of,
+                      f"does not divide {local}", f"a divisor of {t.local_batch_size}")
+    if t.seq_len % p.context_parallel_degree:
+        raise _reject(cfg, "training.seq_len", source_of,
+                      "cannot be split evenly over "
+                      + _other(cfg, "parallelism.context_parallel_degree", source_of),
+                      f"a multiple of {p.context_parallel_degree}")
+    if p.data_parallel_shard_degree != -1:
+        _experts_fit(cfg, p.data_parallel_shard_degree, source_of)
+
+
+def mixed_precision_only_lowers(cfg: JobConfig, source_of: SourceOf) -> None:
+    t = cfg.training
+    if t.mixed_precision and _WIDTH[t.param_dtype] > _WIDTH[cfg.model.dtype]:
+        raise _reject(cfg, "training.param_dtype", source_of,
+                      f"is wider than {_other(cfg, 'model.dtype', source_of)}; "
+                      "mixed precision can only lower the compute dtype",
+                      f"{cfg.model.dtype}, or model.dtype = \"float32\"")
+
+
+def hf_save_is_model_only(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.checkpoint.last_save_in_hf and not cfg.checkpoint.last_save_model_only:
+        raise _reject(cfg, "checkpoint.last_save_model_only", source_of,
+                      "safetensors hold only model weights, but "
+                      + _other(cfg, "checkpoint.last_save_in_hf", source_of),
+                      "true (or last_save_in_hf = false)")
+
+
+def synthetic_data_takes_no_files(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.data.dataset != "synthetic":
+        return
+    dataset = _other(cfg, "data.dataset", source_of)
+    for key in ("data.path", "data.validation_path"):
+        if _get(cfg, key):
+            raise _reject(cfg, key, source_of, f"is never read with {dataset}", "\"\"")
+    if cfg.validation.enable and cfg.validation.steps == -1:
+        raise _reject(cfg, "validation.steps", source_of,
+                      f"\"the whole validation set\" never ends with {dataset}", "an integer >= 1")
+
+
+def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
+    wanted = (("model.hf_config_path", "file"), ("model.tokenizer_path", "any"), ("data.path", "any"),
+              ("data.validation_path", "any"), ("checkpoint.initial_load_path", "dir"))
+    for key, kind in wanted:
+        value = _get(cfg, key)
+        description, is_right_kind = _PATH_KINDS[kind]
+        path = Path(value)
+        if value and not is_right_kind(path):
+            problem = (f"is a {'folder' if path.is_dir() else 'file'}" if path.exists()
+                       else "no such file or folder")
+            raise _reject(cfg, key, source_of, problem, f"{description}, or \"\" for the default")
+    c = cfg.checkpoint
+    is_safetensors = c.initial_load_path and any(Path(c.initial_load_path).glob("*.safetensors"))
+    if is_safetensors and not c.initial_load_model_only:
+        raise _reject(cfg, "checkpoint.initial_load_model_only", source_of,
+                      f"safetensors hold no optimizer state, and "
+                      f"{_other(cfg, 'checkpoint.initial_load_path', source_of)} is a safetensors folder",
+                      "true for a safetensors folder (false only for a DCP step folder)")
+
+
+RULES: tuple[Rule, ...] = (
+    lora_is_not_built,
+    schedule_fits_in_training,
+    selective_ac_option_is_known,
+    compile_has_components,
+    batch_shapes_divide,
+    mixed_precision_only_lowers,
+    hf_save_is_model_only,
+    synthetic_data_takes_no_files,
+    input_paths_exist,
+)
+
+
+def check_world_size(cfg: JobConfig, world_size: int, source_of: SourceOf, world_source: str) -> None:
+    """Checks the parallel degrees against the number of ranks (job.world_size, or the launcher's)."""
+    p = cfg.parallelism
+    keys = ("parallelism.data_parallel_replicate_degree", "parallelism.context_parallel_degree",
+            "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree")
+    fixed = 1
+    for key in keys:
+        fixed *= _get(cfg, key)
+    world = f"world size {world_size} ({world_source})"
+    if world_size % fixed:
+        degrees = ", ".join(_other(cfg, key, source_of) for key in keys)
+        raise ConfigError(f"parallelism: {degrees} multiply to {fixed}, which does not divide {world}; "
+                          f"valid: degrees whose product divides {world_size}",
+                          key="parallelism", source=source_of(keys[-1]), value=fixed)
+    shard = p.data_parallel_shard_degree
+    if shard != -1 and shard * fixed != world_size:
+        raise _reject(cfg, "parallelism.data_parallel_shard_degree", source_of,
+                      f"times the other degrees ({fixed}) is {shard * fixed}, not the {world}",
+                      f"-1 or {world_size // fixed}")
+    if shard == -1:
+        shard = world_size // fixed
+        _experts_fit(cfg, shard, source_of)
+    t = cfg.training
+    dp = p.data_parallel_replicate_degree * shard
+    if t.global_batch_size != -1 and t.global_batch_size % (t.local_batch_size * dp):
+        raise _reject(cfg, "training.global_batch_size", source_of,
+                      f"not a multiple of local_batch_size {t.local_batch_size} * data-parallel degree {dp} "
+                      f"(for the {world})", f"-1 or a multiple of {t.local_batch_size * dp}")
+
+
+def _experts_fit(cfg: JobConfig, shard: int, source_of: SourceOf) -> None:
+    # torchtitan 0.2.2 carves the EP mesh out of the FSDP ranks (data_parallel_shard * context_parallel).
+    cp, ep = cfg.parallelism.context_parallel_degree, cfg.parallelism.expert_parallel_degree
+    if (shard * cp) % ep:
+        raise _reject(cfg, "parallelism.expert_parallel_degree", source_of,
+                      f"does not divide data_parallel_shard_degree ({shard}) * context_parallel_degree ({cp}) "
+                      f"= {shard * cp}, the ranks experts are spread over", f"a divisor of {shard * cp}")

@@ -1,0 +1,226 @@
+"""The job config: one dataclass per TOML section, every field with a default, a meaning and its valid values.
+
+Names follow torchtitan 0.2.2 where a torchtitan concept exists, so recipes read the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from titan_kimi.config.options import above, at_least, between, option
+
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclass
+class Job:
+    config_file: str = option(
+        "", "TOML recipe this config was read from (set with --job.config_file on the command line)")
+    dump_folder: str = option("./outputs", "root folder for checkpoints, metrics and logs", nonempty=True)
+    description: str = option("", "free text describing the run, printed at start")
+    seed: int = option(
+        1234, "random seed for model init, data order and dropout", bounds=between(0, 2**32, high_open=True))
+    deterministic: bool = option(
+        False, "use deterministic algorithms (slower; for debugging and parity tests)")
+    dry_run: bool = option(
+        False, "validate the config, build the model and parallelism plan, then exit without training")
+    world_size: int = option(
+        0, "number of ranks; 0 = take it from the launcher (WORLD_SIZE)", bounds=at_least(0))
+    print_config: bool = option(False, "print the resolved config as TOML at start")
+
+
+@dataclass
+class Model:
+    name: str = option("kimi_k3", "model family", choices=("kimi_k3",))
+    flavor: str = option(
+        "k31_debug", "model size/variant from the flavor registry (k3_* text, k31_* with the indexer)",
+        nonempty=True)
+    hf_config_path: str = option("", "checkpoint config.json to build model args from; \"\" = use the flavor")
+    tokenizer_path: str = option("", "tiktoken tokenizer file or folder; \"\" = the bundled tokenizer")
+    dtype: str = option("bfloat16", "dtype the model parameters are kept in", choices=DTYPES)
+    freeze_indexer: bool = option(
+        True, "keep the K3.1 indexer frozen (top-k selection gives it no LM-loss gradient)")
+
+
+@dataclass
+class Training:
+    steps: int = option(10, "number of optimizer steps to train", bounds=at_least(1))
+    global_batch_size: int = option(
+        -1, "sequences per optimizer step; -1 = local_batch_size * data-parallel degree (no accumulation)",
+        bounds=at_least(1, also=(-1,)))
+    local_batch_size: int = option(8, "sequences per rank per micro-step", bounds=at_least(1))
+    seq_len: int = option(2048, "tokens per sequence", bounds=at_least(1))
+    max_norm: float = option(1.0, "gradient-norm clipping threshold", bounds=above(0))
+    nonfinite_grad_policy: str = option(
+        "skip", "on a NaN/inf gradient norm: skip the optimizer step, or stop the run",
+        choices=("skip", "stop"))
+    loss_chunk_size: int = option(
+        512, "tokens per chunk of the chunked cross-entropy (bounds the logits memory)", bounds=at_least(1))
+    param_dtype: str = option(
+        "bfloat16", "compute dtype of parameters under FSDP mixed precision", choices=DTYPES)
+    reduce_dtype: str = option(
+        "float32", "dtype of gradient reduction under FSDP mixed precision", choices=("float32", "bfloat16"))
+    mixed_precision: bool = option(True, "apply the FSDP mixed-precision policy (param_dtype, reduce_dtype)")
+    gc_freq: int = option(
+        50, "run Python garbage collection every N steps (automatic collection is off during training)",
+        bounds=at_least(1))
+
+
+@dataclass
+class Optimizer:
+    name: str = option("AdamW", "optimizer", choices=("AdamW", "Adam"))
+    lr: float = option(8e-4, "peak learning rate", bounds=at_least(0))
+    betas: list[float] = option(
+        [0.9, 0.95], "Adam beta1, beta2", length=2, bounds=between(0, 1, high_open=True))
+    eps: float = option(1e-8, "Adam epsilon", bounds=above(0))
+    weight_decay: float = option(0.1, "weight decay (decoupled for AdamW, L2 for Adam)", bounds=at_least(0))
+    implementation: str = option(
+        "auto", "torch optimizer implementation; auto = fused where the device supports it",
+        choices=("auto", "fused", "foreach", "for-loop"))
+    state_dtype: str = option("float32", "dtype of the Adam moments", choices=DTYPES)
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = option(2, "linear warmup steps from 0 to optimizer.lr", bounds=at_least(0))
+    decay_ratio: float = option(
+        -1.0, "fraction of training.steps spent decaying at the end; -1 = decay over all post-warmup steps",
+        bounds=between(0, 1, also=(-1,)))
+    decay_type: str = option(
+        "linear", "shape of the decay; constant = no decay after warmup",
+        choices=("linear", "cosine", "sqrt", "constant"))
+    min_lr_factor: float = option(
+        0.0, "final learning rate as a fraction of optimizer.lr", bounds=between(0, 1))
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = option(1, "DDP/HSDP replicate degree", bounds=at_least(1))
+    data_parallel_shard_degree: int = option(
+        -1, "FSDP2 shard degree; -1 = the ranks left after the other degrees", bounds=at_least(1, also=(-1,)))
+    tensor_parallel_degree: int = option(
+        1, "tensor parallelism; only 1 (not supported)", bounds=between(1, 1),
+        hint="Tensor parallelism is not supported: the model owns context parallelism "
+             "(parallelism.context_parallel_degree) and shards experts with parallelism.expert_parallel_degree")
+    context_parallel_degree: int = option(
+        1, "context parallelism over the sequence (KDA, MLA and the indexer)", bounds=at_least(1))
+    pipeline_parallel_degree: int = option(
+        1, "pipeline stages (split at AttnRes block boundaries)", bounds=at_least(1))
+    pipeline_parallel_schedule: str = option(
+        "1F1B", "pipeline schedule",
+        choices=("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"))
+    pipeline_parallel_microbatch_size: int = option(
+        1, "sequences per pipeline microbatch", bounds=at_least(1))
+    expert_parallel_degree: int = option(
+        1, "expert parallelism for the MoE experts (borrows from data_parallel_shard * context_parallel)",
+        bounds=at_least(1))
+    fsdp_reshard_after_forward: str = option(
+        "default", "free gathered parameters after forward: default = yes except on the last pipeline stage",
+        choices=("default", "always", "never"))
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = option(False, "save DCP checkpoints and resume from the latest one")
+    folder: str = option("checkpoint", "checkpoint folder, under job.dump_folder", nonempty=True)
+    interval: int = option(500, "save every N steps", bounds=at_least(1))
+    keep_latest_k: int = option(
+        10, "keep the newest K checkpoints; 0 = keep all (1 is unsafe while a save is in flight)",
+        bounds=at_least(2, also=(0,)))
+    async_mode: str = option(
+        "disabled", "asynchronous saving", choices=("disabled", "async", "async_with_pinned_mem"))
+    initial_load_path: str = option(
+        "", "weights to start from: an HF safetensors folder or a DCP step folder; \"\" = random init")
+    initial_load_model_only: bool = option(
+        True, "load only the model weights from initial_load_path (required for safetensors)")
+    load_step: int = option(-1, "step to resume from; -1 = the latest", bounds=at_least(0, also=(-1,)))
+    last_save_model_only: bool = option(
+        True, "the final save holds only the model weights (no optimizer state)")
+    last_save_in_hf: bool = option(
+        False, "write the final save as HF safetensors (needs last_save_model_only)")
+    export_dtype: str = option("bfloat16", "dtype of the final model-only save", choices=DTYPES)
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = option(
+        "none", "activation checkpointing of decoder blocks", choices=("none", "full", "selective"))
+    selective_ac_option: str = option(
+        "op", "selective mode: \"op\" (save chosen ops) or N as digits (checkpoint every Nth block)")
+
+
+@dataclass
+class Compile:
+    mode: str = option(
+        "none", "torch.compile mode; none = eager",
+        choices=("none", "default", "inductor", "max-autotune", "reduce-overhead"))
+    fullgraph: bool = option(True, "compile each block as one graph (graph breaks are errors)")
+    components: list[str] = option(["model", "loss"], "what to compile", choices=("model", "loss"))
+
+
+@dataclass
+class Kernels:
+    kda: str = option("auto", "Kimi Delta Attention backend", choices=("auto", "reference", "fla", "cudnn"))
+    indexer: str = option("auto", "indexer top-k backend", choices=("auto", "reference", "triton", "cudnn"))
+    sparse_mla: str = option(
+        "auto", "sparse MLA backend", choices=("auto", "dense", "reference", "triton", "cudnn", "flash_mla"))
+    situ_glu: str = option(
+        "auto", "SiTU-GLU expert activation backend", choices=("auto", "reference", "triton"))
+    attn_res_mix: str = option(
+        "auto", "attention-residual mix backend", choices=("auto", "reference", "triton"))
+
+
+@dataclass
+class Data:
+    dataset: str = option(
+        "packed_text", "training dataset", choices=("packed_text", "hellaswag", "synthetic", "medpix"))
+    path: str = option("", "dataset file or folder; \"\" = the bundled sample (synthetic takes none)")
+    packing: bool = option(True, "pack documents into seq_len windows instead of padding each one")
+    shuffle: bool = option(True, "shuffle examples (seeded by job.seed)")
+    num_workers: int = option(0, "data-loader worker processes per rank", bounds=at_least(0))
+    validation_path: str = option("", "validation data; \"\" = the dataset's bundled validation split")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = option(1, "log metrics every N steps", bounds=at_least(1))
+    enable_tensorboard: bool = option(False, "write TensorBoard events under job.dump_folder/tb")
+    save_jsonl: bool = option(True, "append per-step metrics to job.dump_folder/metrics.jsonl")
+    peak_flops: float = option(
+        989e12, "peak FLOP/s per device for MFU (default: H200 dense bf16)", bounds=above(0))
+    progress: str = option("auto", "progress bar; auto = only on a terminal", choices=("auto", "on", "off"))
+
+
+@dataclass
+class Validation:
+    enable: bool = option(False, "run validation during training")
+    freq: int = option(10, "validate every N steps", bounds=at_least(1))
+    steps: int = option(
+        -1, "validation batches per run; -1 = the whole validation set", bounds=at_least(1, also=(-1,)))
+
+
+@dataclass
+class Lora:
+    enable: bool = option(False, "train LoRA adapters instead of all weights (not built yet: rejected)")
+    rank: int = option(8, "adapter rank", bounds=at_least(1))
+    alpha: float = option(16.0, "adapter scale numerator (scale = alpha / rank)", bounds=above(0))
+    dropout: float = option(0.0, "dropout on the adapter input", bounds=between(0, 1, high_open=True))
+    target_modules: list[str] = option([], "names of the linear modules to adapt")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    kernels: Kernels = field(default_factory=Kernels)
+    data: Data = field(default_factory=Data)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    lora: Lora = field(default_factory=Lora)

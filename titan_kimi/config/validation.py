@@ -1,0 +1,70 @@
+"""Validating a whole JobConfig before any work starts: each key, cross-key rules, the flavor registry."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Mapping
+
+from titan_kimi.config.errors import DEFAULT, IN_CODE, bad_value
+from titan_kimi.config.field_checks import check_field
+from titan_kimi.config.options import describe_config
+from titan_kimi.config.rules import RULES, check_world_size
+from titan_kimi.config.sections import JobConfig
+
+FLAVORS_MODULE = "titan_kimi.models.kimi_k3.flavors"
+LAUNCHER = "WORLD_SIZE from the launcher"
+
+
+def validate_job_config(cfg: JobConfig, sources: Mapping[str, str] | None = None,
+                        launcher_world_size: int | None = None) -> None:
+    """Raises ConfigError on the first invalid value.
+
+    sources maps "section.key" to where its value came from (a TOML path or "command line"); keys not in
+    it are reported as defaults, or, when no sources are given (a config built in code), as set on the
+    object. launcher_world_size is the launcher's WORLD_SIZE, if any: the parallel degrees are checked
+    against job.world_size or against it, and only when one of them is known.
+    """
+    unlisted = DEFAULT if sources is not None else IN_CODE
+    sources = sources or {}
+
+    def source_of(key: str) -> str:
+        return sources.get(key, unlisted)
+
+    for section, specs in describe_config(JobConfig).items():
+        values = getattr(cfg, section)
+        for name, spec in specs.items():
+            check_field(spec, getattr(values, name), source_of(spec.path))
+    for rule in RULES:
+        rule(cfg, source_of)
+
+    requested = cfg.job.world_size
+    if requested and launcher_world_size and requested != launcher_world_size:
+        raise bad_value("job.world_size", requested, source_of("job.world_size"),
+                        f"the launcher started {launcher_world_size} ranks", f"0 or {launcher_world_size}")
+    if requested:
+        check_world_size(cfg, requested, source_of, "job.world_size")
+    elif launcher_world_size:
+        check_world_size(cfg, launcher_world_size, source_of, LAUNCHER)
+    # Last: the registry lives in the model package, which imports torch; every other error stays instant.
+    _check_flavor(cfg, source_of("model.flavor"))
+
+
+def known_flavors() -> list[str] | None:
+    """The model registry's flavor names, or None while the registry module does not exist yet."""
+    try:
+        flavors = importlib.import_module(FLAVORS_MODULE)
+    except ModuleNotFoundError as error:
+        # Only a missing registry module skips the check; a broken import inside it must surface.
+        parts = FLAVORS_MODULE.split(".")
+        parents = {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
+        if error.name in parents:
+            return None
+        raise
+    return list(flavors.flavor_names())
+
+
+def _check_flavor(cfg: JobConfig, source: str) -> None:
+    names = known_flavors()
+    if names is not None and cfg.model.flavor not in names:
+        raise bad_value("model.flavor", cfg.model.flavor, source, "not a known flavor",
+                        "one of " + "|".join(names))
