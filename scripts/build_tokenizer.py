@@ -161,13 +161,13 @@ def tokenizer_config(base_vocab_size: int) -> dict:
                 "content": name, "lstrip": False, "normalized": False, "rstrip": False,
                 "single_word": False, "special": True,
             }
-    named = set(SPECIAL_TOKEN_OFFSETS.values())
+    roles = ("[BOS]", "[EOS]", "[UNK]", "[PAD]")
     return {
         "added_tokens_decoder": added,
-        "additional_special_tokens": [n for n in SPECIAL_TOKEN_OFFSETS.values() if n not in ("[BOS]", "[EOS]", "[UNK]", "[PAD]")],
+        "additional_special_tokens": [n for n in SPECIAL_TOKEN_OFFSETS.values() if n not in roles],
         "bos_token": "[BOS]",
         "eos_token": "[EOS]",
-        "pad_token": "[PAD]" if "[PAD]" in named else None,
+        "pad_token": "[PAD]",
         "unk_token": "[UNK]",
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1048576,
@@ -206,7 +206,8 @@ def main() -> None:
         n_tokens += len(ids)
         n_bytes += len(text.encode("utf-8"))
     print(
-        f"wrote {args.out_dir}: vocab_size={tok.vocab_size} ({len(vocab)} base + {NUM_RESERVED_SPECIAL_TOKENS} special), "
+        f"wrote {args.out_dir}: vocab_size={tok.vocab_size} "
+        f"({len(vocab)} base + {NUM_RESERVED_SPECIAL_TOKENS} special), "
         f"{n_bytes / n_tokens:.2f} bytes/token on the training text, {time.perf_counter() - start:.1f}s"
     )
 

@@ -103,7 +103,9 @@ def test_mask_covers_each_assistant_body_and_not_its_header(tok):
 def test_mask_without_thinking_starts_at_response(tok):
     ids, mask = encode_chat(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
     (start, end), = mask_runs(mask)
-    assert tok.decode(ids[start:end]) == "<|open|>response<|sep|>Hello!<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    assert tok.decode(ids[start:end]) == (
+        "<|open|>response<|sep|>Hello!<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
+    )
     assert end == len(ids)
     assert "think" not in tok.decode(ids)
     assert "thinking-effort" not in tok.decode(ids)
@@ -152,7 +154,9 @@ def test_tool_results_follow_call_order_and_raw_arguments(tok):
         '<|open|>argument key="x" type="null"<|sep|>null<|close|>argument<|sep|>'
         '<|open|>argument key="l" type="array"<|sep|>[1,2]<|close|>argument<|sep|>'
     ) in text
-    assert '<|open|>call tool="second" index="1"<|sep|><|open|>json type="object"<|sep|>not json<|close|>json<|sep|>' in text
+    assert (
+        '<|open|>call tool="second" index="1"<|sep|><|open|>json type="object"<|sep|>not json<|close|>json<|sep|>'
+    ) in text
     assert text.endswith(
         '<|open|>message role="tool" tool="first" index="0"<|sep|>A<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="tool" tool="second" index="1"<|sep|>B<|close|>message<|sep|><|end_of_msg|>'

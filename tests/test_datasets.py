@@ -32,7 +32,8 @@ def assert_labels_are_shifted_inputs(sample: dict) -> None:
 
 
 ITEMS = [
-    {"ctx": "She opens the oven door.", "endings": ["It bakes.", "She takes out the bread.", "No.", "Yes."], "label": 1},
+    {"ctx": "She opens the oven door.", "endings": ["It bakes.", "She takes out the bread.", "No.", "Yes."],
+     "label": 1},
     {"ctx": "He ties his shoes", "endings": ["and runs.", "and sleeps."], "label": "0"},
 ]
 
@@ -118,7 +119,12 @@ def test_bad_files(tok, tmp_path):
 
 # -- packed text ---------------------------------------------------------------------------------
 
-DOCS = ["The cat sat on the mat.", "Dogs bark.", "A much longer third document that will be cut across rows for sure.", "End."]
+DOCS = [
+    "The cat sat on the mat.",
+    "Dogs bark.",
+    "A much longer third document that will be cut across rows for sure.",
+    "End.",
+]
 
 
 def test_packed_rows_cover_the_stream_with_eos_and_doc_resets(tok, tmp_path):
@@ -218,7 +224,8 @@ def test_resume_equals_uninterrupted(tok, name, kwargs):
     resumed.load_state_dict(state)
     assert batches_equal(first + take(resumed, total - 13), uninterrupted)
     batch = uninterrupted[0]
-    assert batch["input_ids"].shape == batch["labels"].shape == batch["doc_ids"].shape == (kwargs["local_batch_size"], kwargs["seq_len"])
+    shape = (kwargs["local_batch_size"], kwargs["seq_len"])
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["doc_ids"].shape == shape
     assert batch["input_ids"].dtype == batch["labels"].dtype == torch.int64 and batch["doc_ids"].dtype == torch.int32
 
 
@@ -231,7 +238,8 @@ def test_two_ranks_see_disjoint_shards(tok, name, kwargs):
     assert len(shards[0]) == len(shards[1]) == len(loaders[0].dataset) // 2
     # The batches hold exactly the samples of the rank's shard, in shard order.
     first = next(iter(loaders[1]))
-    expected = [loaders[1].dataset[int(i)]["input_ids"] for i in loaders[1].rank_indices(0)[: kwargs["local_batch_size"]]]
+    first_indices = loaders[1].rank_indices(0)[: kwargs["local_batch_size"]]
+    expected = [loaders[1].dataset[int(i)]["input_ids"] for i in first_indices]
     assert torch.equal(first["input_ids"], torch.stack(expected))
 
 
@@ -260,7 +268,8 @@ def test_finite_loader_stops_at_the_epoch_end(tok):
 
 def test_loader_errors(tok, tmp_path):
     common = dict(seq_len=32, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, shuffle=False)
-    with pytest.raises(ValueError, match=r"unknown dataset 'c4'; valid choices: \['packed_text', 'hellaswag', 'synthetic'\]"):
+    valid = r"\['packed_text', 'hellaswag', 'synthetic'\]"
+    with pytest.raises(ValueError, match=rf"unknown dataset 'c4'; valid choices: {valid}"):
         build_dataloader("c4", None, tok, **common)
     with pytest.raises(ValueError, match="dataset path .*missing.jsonl.* for 'packed_text' is not a file"):
         build_dataloader("packed_text", tmp_path / "missing.jsonl", tok, **common)

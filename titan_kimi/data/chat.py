@@ -2,7 +2,8 @@
 
 Layout (control tokens are specials; tag names, attributes and content are ordinary text):
 
-    [<|open|>message role="system" type="tool-declare"<|sep|># Tools ... ```json\\n{tools}\\n```<|close|>message<|sep|><|end_of_msg|>]
+    [<|open|>message role="system" type="tool-declare"<|sep|># Tools ... ```json\\n{tools}\\n```
+        <|close|>message<|sep|><|end_of_msg|>]
     [<|open|>message role="system" type="thinking-effort"<|sep|>{effort}<|close|>message<|sep|><|end_of_msg|>]
     <|open|>message role="user"[ name=".."]<|sep|>{content}<|close|>message<|sep|><|end_of_msg|>
     <|open|>message role="assistant"<|sep|>

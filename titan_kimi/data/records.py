@@ -18,7 +18,8 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
     """All records of a local ``.jsonl``/``.json`` (one JSON object per line) or ``.parquet`` file."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"data file not found: {path} (expected a local {', '.join(JSON_LINES_SUFFIXES + PARQUET_SUFFIXES)} file)")
+        suffixes = ", ".join(JSON_LINES_SUFFIXES + PARQUET_SUFFIXES)
+        raise ValueError(f"data file not found: {path} (expected a local {suffixes} file)")
     suffix = path.suffix.lower()
     if suffix in JSON_LINES_SUFFIXES:
         return _read_json_lines(path)
