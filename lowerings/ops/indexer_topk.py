@@ -28,8 +28,14 @@ def indexer_scores_reference(
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k columns per row as ascending int32 indices, -1 in slots without a valid (finite) key."""
-    values, idx = torch.topk(scores, k, dim=-1)
+    """Top-k columns per row as ascending int32 indices, -1 in slots without a valid (finite) key.
+
+    Ties go to the most recent key, so the choice depends only on positions relative to the query and a
+    document selects the same keys whether it runs alone or packed with others (ReLU scores tie at 0 often).
+    """
+    last = scores.shape[-1] - 1
+    values, order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True)
+    values, idx = values[..., :k], last - order[..., :k]
     idx = torch.where(torch.isfinite(values), idx, torch.full_like(idx, torch.iinfo(torch.int32).max))
     idx = idx.sort(dim=-1).values
     return torch.where(idx == torch.iinfo(torch.int32).max, torch.full_like(idx, -1), idx).to(torch.int32)
