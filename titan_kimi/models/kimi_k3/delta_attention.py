@@ -15,9 +15,24 @@ from titan_kimi.models.kimi_k3.sequence import SequenceInfo
 from titan_kimi.models.kimi_k3.short_conv import ShortConv
 
 
-class KimiDeltaAttention(nn.Module):
+class DecayParams(nn.Module):
+    """The fp32 forget-gate parameters, in a module of their own so FSDP2 can shard them as a separate fp32
+    unit (FSDP2 needs one dtype per unit; the rest of the layer is bf16)."""
+
     fp32_params = ("A_log", "dt_bias")
 
+    def __init__(self, num_heads: int, channels: int) -> None:
+        super().__init__()
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(channels))
+
+    def init_weights(self) -> None:
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            self.dt_bias.zero_()
+
+
+class KimiDeltaAttention(nn.Module):
     def __init__(self, args: KimiK3ModelArgs) -> None:
         super().__init__()
         self.num_heads = H = args.kda_num_heads
@@ -31,8 +46,7 @@ class KimiDeltaAttention(nn.Module):
         self.q_conv1d = ShortConv(P, args.kda_conv_size)
         self.k_conv1d = ShortConv(P, args.kda_conv_size)
         self.v_conv1d = ShortConv(P, args.kda_conv_size)
-        self.A_log = nn.Parameter(torch.empty(H))
-        self.dt_bias = nn.Parameter(torch.empty(P))
+        self.decay = DecayParams(H, P)
         self.f_a_proj = nn.Linear(args.dim, d, bias=False)
         self.f_b_proj = nn.Linear(d, P, bias=False)
         self.b_proj = nn.Linear(args.dim, H, bias=False)
@@ -63,8 +77,8 @@ class KimiDeltaAttention(nn.Module):
         o, _ = ops.kda(
             q, k, v, u, beta,
             scale=1.0 / math.sqrt(d),
-            A_log=self.A_log,
-            dt_bias=self.dt_bias,
+            A_log=self.decay.A_log,
+            dt_bias=self.decay.dt_bias,
             lower_bound=self.lower_bound,
             cu_seqlens=seq.cu_seqlens,
             l2norm_qk=True,
@@ -79,7 +93,5 @@ class KimiDeltaAttention(nn.Module):
             init_linear(linear, self.init_std)
         for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
             conv.init_weights()
-        with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            self.dt_bias.zero_()
+        self.decay.init_weights()
         self.o_norm.init_weights()
