@@ -173,11 +173,12 @@ class Kernels:
 @dataclass
 class Data:
     dataset: str = option(
-        "packed_text", "training dataset", choices=("packed_text", "hellaswag", "synthetic", "medpix"))
+        "packed_text",
+        "training dataset: packed_text packs documents into seq_len rows (document ids reset the model state); "
+        "hellaswag and medpix are one padded example per row",
+        choices=("packed_text", "hellaswag", "synthetic", "medpix"))
     path: str = option("", "dataset file or folder; \"\" = the bundled sample (synthetic takes none)")
-    packing: bool = option(True, "pack documents into seq_len windows instead of padding each one")
     shuffle: bool = option(True, "shuffle examples (seeded by job.seed)")
-    num_workers: int = option(0, "data-loader worker processes per rank", bounds=at_least(0))
     validation_path: str = option("", "validation data; \"\" = the dataset's bundled validation split")
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.attn_res import AttnResMix
 from titan_kimi.models.kimi_k3.block import KimiK3Block
+from titan_kimi.models.kimi_k3.head import LMHead
 from titan_kimi.models.kimi_k3.norms import RMSNorm
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo, build_sequence_info
 
@@ -41,7 +40,7 @@ class KimiK3Model(nn.Module):
         if self.is_last:
             self.output_mix = AttnResMix(args.dim, args.norm_eps, args.init_std) if block else None
             self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+            self.output = LMHead(args.dim, args.vocab_size)
         else:
             self.output_mix = self.norm = self.output = None
 
@@ -53,13 +52,15 @@ class KimiK3Model(nn.Module):
         bank: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         seq: SequenceInfo | None = None,
-        return_hidden: bool = False,
+        labels: torch.Tensor | None = None,
+        loss_normalizer: torch.Tensor | float | None = None,
+        loss_chunk_size: int = 512,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """First stage: ``tokens [B,S]``. Later stages: ``hidden [B,S,H]`` and ``bank [B*S,m,H]``.
 
         ``doc_ids [B,S]`` (0 = padding) makes attention document-causal and resets KDA at each document.
-        Returns logits ``[B,S,V]`` from the last stage, else ``(hidden, bank)``; ``return_hidden`` makes the
-        last stage return the normalised final hidden states instead of logits (for a chunked loss).
+        Returns logits ``[B,S,V]`` from the last stage, else ``(hidden, bank)``. With ``labels [B,S]`` the last
+        stage returns the chunked cross-entropy summed over valid tokens and divided by ``loss_normalizer``.
         """
         if self.is_first:
             if tokens is None:
@@ -78,7 +79,9 @@ class KimiK3Model(nn.Module):
         if self.output_mix is not None:
             hidden = self.output_mix(bank, hidden)
         hidden = self.norm(hidden)
-        return hidden if return_hidden else self.output(hidden)
+        if labels is None:
+            return self.output(hidden)
+        return self.output(hidden, labels, normalizer=loss_normalizer, chunk_size=loss_chunk_size)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -92,5 +95,4 @@ class KimiK3Model(nn.Module):
             if self.output_mix is not None:
                 self.output_mix.init_weights()
             self.norm.init_weights()
-            std = 1.0 / math.sqrt(self.args.dim)
-            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            self.output.init_weights()

@@ -75,6 +75,8 @@ class GroupedExperts(nn.Module):
         return self._run(w13, w2, x, num_tokens_per_expert)
 
     def _run(self, w13, w2, x, num_tokens_per_expert):
+        # grouped_mm is not autocast-aware: follow the activations' dtype (a no-op under FSDP mixed precision).
+        w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offsets)
         h = ops.situ_glu(h, self.beta, self.beta_lin)

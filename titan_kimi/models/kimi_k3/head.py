@@ -1,0 +1,39 @@
+"""The lm_head, which also computes the chunked cross-entropy so logits never exist for the whole batch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from lowerings import ops
+
+
+class LMHead(nn.Module):
+    """``forward(hidden)`` -> logits; ``forward(hidden, labels, normalizer=N)`` -> summed CE / N.
+
+    The loss lives in ``forward`` so that FSDP's hooks see every use of the weight.
+    """
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        normalizer: torch.Tensor | float | None = None,
+        chunk_size: int = 512,
+    ) -> torch.Tensor:
+        if labels is None:
+            return hidden @ self.weight.t()
+        if normalizer is None:
+            normalizer = (labels != ops.IGNORE_INDEX).sum()
+        return ops.chunked_linear_cross_entropy(hidden, self.weight, labels, normalizer=normalizer, chunk_size=chunk_size)
+
+    def init_weights(self) -> None:
+        std = 1.0 / math.sqrt(self.weight.shape[1])  # spec §14: truncated normal, std H^-1/2, cutoff 3 std
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)

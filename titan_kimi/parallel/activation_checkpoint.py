@@ -1,0 +1,55 @@
+"""Activation checkpointing of decoder blocks: full, every N-th block, or per-op selective."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titan_kimi.models.kimi_k3.model import KimiK3Model
+
+# Outputs worth keeping: the token mixers and expert GEMMs are the expensive ops to recompute.
+_ALWAYS_SAVE = {
+    torch.ops.titan_kimi.kda.default,
+    torch.ops.titan_kimi.sparse_mla.default,
+    torch.ops.titan_kimi.indexer_topk.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._grouped_mm.default,
+}
+
+
+def _op_policy():
+    """Save the token mixers; save every other matmul (recompute the rest), as torchtitan's op-SAC does."""
+    mm_count = defaultdict(int)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _ALWAYS_SAVE:
+            return CheckpointPolicy.MUST_SAVE
+        if op == torch.ops.aten.mm.default:
+            key = "recompute" if ctx.is_recompute else "forward"
+            mm_count[key] += 1
+            return CheckpointPolicy.MUST_SAVE if mm_count[key] % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(model: KimiK3Model, mode: str, option: str) -> None:
+    """``mode`` none | full | selective; ``option`` "op" or a block frequency N (checkpoint every N-th)."""
+    if mode == "none":
+        return
+    for position, (name, block) in enumerate(list(model.layers.items())):
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif option == "op":
+            wrapped = checkpoint_wrapper(block, context_fn=_op_policy, preserve_rng_state=False)
+        elif position % int(option) == 0:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            continue
+        model.layers[name] = wrapped

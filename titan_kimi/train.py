@@ -1,0 +1,252 @@
+"""Entry point: ``torchrun --nproc-per-node=N -m titan_kimi.train --job.config_file train_configs/<recipe>.toml``.
+
+config -> model -> parallelize -> data -> loop -> metrics -> checkpoints.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lowerings.ops import configure_backends
+from titan_kimi.config import load_job_config, to_toml
+from titan_kimi.data import IGNORE_INDEX, build_dataloader
+from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
+from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, init_distributed, pick_device
+from titan_kimi.parallel.layout import ParallelLayout, reject_unbuilt, resolve_layout
+from titan_kimi.training.build import DTYPES, build_meta_model, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
+from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
+from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger("titan_kimi")
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=False)
+        torch.backends.cudnn.benchmark = False
+
+
+def dry_run(cfg, args, layout: ParallelLayout) -> None:
+    """Build on the meta device, check the layout, print the resolved config and the parameter counts."""
+    model = build_meta_model(args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer)
+    counts = count_params(model)
+    print(to_toml(cfg))
+    print(f"# layout: {layout.describe()}")
+    print(f"# model: {cfg.model.flavor if not cfg.model.hf_config_path else cfg.model.hf_config_path}, "
+          f"{args.n_layers} layers, flops/token {training_flops_per_token(args, cfg.training.seq_len, counts):.4g}")
+    print(f"params total={counts.total} active={counts.active}")
+
+
+class Trainer:
+    def __init__(self, cfg, args, layout: ParallelLayout, env: DistEnv) -> None:
+        self.cfg, self.args, self.layout, self.env = cfg, args, layout, env
+        self.device = pick_device(env)
+        init_distributed(env, self.device)
+        seed_everything(cfg.job.seed, cfg.job.deterministic)
+        self.dump = Path(cfg.job.dump_folder)
+        t = cfg.training
+        self.dp = layout.dp
+        self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * self.dp
+        if self.global_batch % (t.local_batch_size * self.dp):
+            raise ValueError(
+                f"training.global_batch_size = {self.global_batch} must be a multiple of local_batch_size x "
+                f"data-parallel degree = {t.local_batch_size} x {self.dp}"
+            )
+        self.accum_steps = self.global_batch // (t.local_batch_size * self.dp)
+
+        self.tokenizer = tokenizer_from_config(cfg, args)
+        self.model = self._build_model()
+        self.counts = count_params(self.model)
+        self.flops_per_token = training_flops_per_token(args, t.seq_len, self.counts)
+        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = build_optimizer([self.model], cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.dataloader = self._build_dataloader(cfg.data.dataset, cfg.data.path, seed=cfg.job.seed)
+        self.step = 0
+        self.metrics = MetricsLogger(
+            self.dump, cfg.metrics.log_freq, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
+            cfg.metrics.progress, t.steps, is_main=env.is_main,
+        )
+        logger.info("%s | %s | params total=%d active=%d | global batch %d = %d ranks x %d x %d accumulation",
+                    cfg.model.flavor, layout.describe(), self.counts.total, self.counts.active,
+                    self.global_batch, self.dp, t.local_batch_size, self.accum_steps)
+
+    # ------------------------------------------------------------------ setup
+    def _build_model(self) -> KimiK3Model:
+        cfg = self.cfg
+        model = build_meta_model(self.args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer)
+        self.autocast_dtype = None
+        if self.env.launched and self.env.world_size > 1:
+            from titan_kimi.parallel.parallelize import parallelize
+
+            parallelize(model, cfg, self.layout, self.device)
+            model.to_empty(device=self.device)
+        else:
+            from titan_kimi.parallel.parallelize import apply_single_device
+
+            model.to_empty(device=self.device)
+            self.autocast_dtype = apply_single_device(model, cfg)
+        # Every rank draws the same initial weights (same seed); FSDP shards keep their part.
+        torch.manual_seed(cfg.job.seed)
+        model.init_weights()
+        model.train()
+        return model
+
+    def _build_dataloader(self, dataset: str, path: str, *, seed: int):
+        if dataset == "medpix":
+            raise ValueError(
+                "data.dataset = 'medpix' needs the vision tower, which titan_kimi does not build yet; "
+                "valid now: packed_text, hellaswag, synthetic"
+            )
+        t = self.cfg.training
+        return build_dataloader(
+            dataset, path or None, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+            dp_rank=self.env.rank if self.env.launched else 0, dp_world_size=self.dp, seed=seed,
+            shuffle=self.cfg.data.shuffle, vocab_size=self.args.vocab_size,
+        )
+
+    # ------------------------------------------------------------------ one step
+    def _forward_loss(self, batch: dict, normalizer: torch.Tensor) -> torch.Tensor:
+        ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+               else torch.autocast(self.device.type, enabled=False))
+        with ctx:
+            return self.model(
+                batch["input_ids"], doc_ids=batch["doc_ids"], labels=batch["labels"],
+                loss_normalizer=normalizer, loss_chunk_size=self.cfg.training.loss_chunk_size,
+            )
+
+    def train_step(self, data_iter) -> StepMetrics:
+        cfg, t0 = self.cfg, time.perf_counter()
+        batches = [{k: v.to(self.device) for k, v in next(data_iter).items()} for _ in range(self.accum_steps)]
+        local_valid = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
+        # The loss of every micro-batch on every rank is divided by the step's global count of valid tokens.
+        global_valid = all_reduce_sum(torch.as_tensor(local_valid, dtype=torch.float32, device=self.device))
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for batch in batches:
+            loss = self._forward_loss(batch, global_valid)
+            loss.backward()
+            loss_sum += loss.detach()
+        loss_value = float(all_reduce_sum(loss_sum))
+        clip = clip_gradients(self.named_params, cfg.training.max_norm)
+        skipped = not clip.finite
+        if skipped:
+            message = f"step {self.step}: non-finite gradients (norm {clip.grad_norm}) in {clip.report}"
+            if cfg.training.nonfinite_grad_policy == "stop":
+                raise NonFiniteGradientError(message + "; training.nonfinite_grad_policy = 'stop'")
+            logger.warning("%s; skipping the optimizer step (training.nonfinite_grad_policy = 'skip')", message)
+        else:
+            self.optimizer.step()
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        tokens = self.global_batch * cfg.training.seq_len  # processed tokens, padding included
+        per_device = tokens / dt / self.layout.world_size
+        return StepMetrics(
+            step=self.step, loss=loss_value, grad_norm=clip.grad_norm, lr=lr, tokens=tokens, step_time=dt,
+            tokens_per_sec=tokens / dt, tokens_per_sec_per_device=per_device,
+            mfu=per_device * self.flops_per_token / cfg.metrics.peak_flops,
+            peak_mem_gib=peak_memory_gib(self.device), skipped=skipped,
+        )
+
+    @torch.no_grad()
+    def validate(self) -> None:
+        cfg = self.cfg
+        loader = self._validation_loader()
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        count = torch.zeros((), dtype=torch.float32, device=self.device)
+        for i, batch in enumerate(loader):
+            if cfg.validation.steps != -1 and i >= cfg.validation.steps:
+                break
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            total += self._forward_loss(batch, torch.ones((), device=self.device))
+            count += (batch["labels"] != IGNORE_INDEX).sum()
+        total, count = all_reduce_sum(total), all_reduce_sum(count)
+        self.model.train()
+        self.metrics.log_validation(self.step, float(total / count.clamp(min=1)), int(count))
+
+    def _validation_loader(self):
+        cfg, t = self.cfg, self.cfg.training
+        dataset = cfg.data.dataset
+        path = cfg.data.validation_path or None
+        if dataset != "synthetic" and path is None:
+            logger.warning("validation: no data.validation_path, validating on the training data's sample file")
+        return build_dataloader(
+            dataset, path or (cfg.data.path or None), self.tokenizer, seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size, dp_rank=self.env.rank if self.env.launched else 0,
+            dp_world_size=self.dp, seed=cfg.job.seed + 1, shuffle=False, infinite=False,
+            vocab_size=self.args.vocab_size,
+        )
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> None:
+        cfg = self.cfg
+        gc.disable()
+        data_iter = iter(self.dataloader)
+        try:
+            while self.step < cfg.training.steps:
+                self.step += 1
+                metrics = self.train_step(data_iter)
+                self.metrics.log(metrics)
+                if not math.isfinite(metrics.loss):
+                    raise NonFiniteGradientError(f"step {self.step}: the loss is {metrics.loss}")
+                if cfg.validation.enable and self.step % cfg.validation.freq == 0:
+                    self.validate()
+                if self.step % cfg.training.gc_freq == 0:
+                    gc.collect()
+        finally:
+            gc.enable()
+        logger.info(self.metrics.summary())
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = load_job_config(sys.argv[1:] if argv is None else argv)
+    env = DistEnv.from_environ()
+    setup_logging(env.rank)
+    args = model_args_from_config(cfg)
+    world_size = cfg.job.world_size or env.world_size
+    layout = resolve_layout(cfg.parallelism, world_size, args)
+    if cfg.job.print_config and env.is_main and not cfg.job.dry_run:
+        print(to_toml(cfg))
+    if cfg.job.dry_run:
+        if env.is_main:
+            dry_run(cfg, args, layout)
+        return 0
+    if world_size != env.world_size:
+        raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
+    reject_unbuilt(layout)
+    resolved = configure_backends({op: getattr(cfg.kernels, op) for op in
+                                   ("kda", "indexer", "sparse_mla", "situ_glu", "attn_res_mix")})
+    logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
+    trainer = Trainer(cfg, args, layout, env)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""AdamW / Adam with a chosen dtype for the moments, and the warmup + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class AdamWithStateDtype(torch.optim.Optimizer):
+    """Adam(W) whose moments are stored in ``state_dtype`` whatever the parameter dtype; math in fp32.
+
+    torch's own AdamW keeps the moments in the parameter's dtype, which cannot express fp32 weights with
+    bf16 moments (or the reverse). Parameters may be DTensors (FSDP2 shards).
+    """
+
+    def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 *, decoupled: bool, state_dtype: torch.dtype = torch.float32) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=state_dtype)
+        super().__init__(params, defaults)
+        self.decoupled = decoupled
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            state_dtype = group["state_dtype"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype)
+                state["step"] += 1
+                t = state["step"].item()
+                grad = p.grad.float()
+                weight = p.float()
+                if wd and not self.decoupled:
+                    grad = grad + wd * weight
+                m = state["exp_avg"].float().lerp_(grad, 1 - b1)
+                v = state["exp_avg_sq"].float().mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                state["exp_avg"].copy_(m)
+                state["exp_avg_sq"].copy_(v)
+                denom = (v / (1 - b2**t)).sqrt_().add_(eps)
+                update = (m / (1 - b1**t)) / denom
+                if wd and self.decoupled:
+                    weight.mul_(1 - lr * wd)
+                p.copy_(weight - lr * update)
+
+
+def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Optimizer:
+    """From the ``[optimizer]`` config section.
+
+    Moments are kept in ``cfg.state_dtype``, except for the parameters the model keeps in fp32 by design
+    (A_log, conv weights, ...), whose moments stay fp32. torch's fused/foreach Adam(W) runs when every moment
+    can follow its parameter's dtype; otherwise :class:`AdamWithStateDtype` does.
+    """
+    from titan_kimi.models.kimi_k3.init import fp32_parameter_names
+
+    named = [(n, p) for m in model_parts for n, p in m.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("no trainable parameters: every parameter has requires_grad=False")
+    keep_fp32 = set().union(*(fp32_parameter_names(m) for m in model_parts))
+    state_dtype = _DTYPES[cfg.state_dtype]
+    moments_follow_params = all(n in keep_fp32 or p.dtype == state_dtype for n, p in named)
+    params = [p for _, p in named]
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    decoupled = cfg.name == "AdamW"
+    if not moments_follow_params:
+        groups = [
+            {"params": [p for n, p in named if n in keep_fp32], "state_dtype": torch.float32},
+            {"params": [p for n, p in named if n not in keep_fp32], "state_dtype": state_dtype},
+        ]
+        return AdamWithStateDtype([g for g in groups if g["params"]], decoupled=decoupled, **kwargs)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if params[0].device.type in ("cuda", "cpu") else "foreach"
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[impl]
+    return cls(params, **kwargs, **flags)
+
+
+def lr_lambda(step: int, *, total: int, warmup: int, decay_ratio: float, decay_type: str, min_lr_factor: float) -> float:
+    """Multiplier of the peak lr at (0-based) ``step``: linear warmup, flat, then decay to ``min_lr_factor``."""
+    if warmup and step < warmup:
+        return (step + 1) / (warmup + 1)
+    if decay_type == "constant":
+        return 1.0
+    decay_steps = total - warmup if decay_ratio < 0 else round(total * decay_ratio)
+    decay_start = total - decay_steps
+    if step < decay_start or decay_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    shape = {
+        "linear": 1.0 - progress,
+        "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+        "sqrt": 1.0 - math.sqrt(progress),
+    }[decay_type]
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> LambdaLR:
+    """From the ``[lr_scheduler]`` config section; stepped once per optimizer step."""
+    return LambdaLR(
+        optimizer,
+        lambda step: lr_lambda(step, total=total_steps, warmup=cfg.warmup_steps, decay_ratio=cfg.decay_ratio,
+                               decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor),
+    )
