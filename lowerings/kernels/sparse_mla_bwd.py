@@ -3,14 +3,22 @@
 Given q [T, H, Dqk], kv [S_kv, Dqk], idx [T, k] int32, out [T, H, d_v], dout [T, H, d_v], lse [T, H] fp32
 (natural log, from sparse_mla_fwd) -> dq [T, H, Dqk] (dtype of q), dkv [S_kv, Dqk] (dtype of kv).
 
-1. Preprocess: delta[t, h] = sum_d dout * out (fp32).
-2. Grid (token, head block), loop over key blocks, keys-major like the forward (S^T = KV @ Q^T, M = keys):
-       P^T  = exp2(S^T * scale * log2e - lse * log2e)      (recomputed, masked slots -> 0)
-       dP^T = KV_v @ dO^T
-       dS^T = P^T * (dP^T - delta) * scale
-       dQ^T += KV^T @ dS^T                                 (kept on chip for the whole row)
-       dKV[idx] += dS^T @ Q  (all Dqk) + P^T @ dO  (first d_v)   -> fp32 atomics into [S_kv, Dqk]
-   then dKV is cast to kv's dtype. Atomics make dKV run-to-run nondeterministic (ordering of fp32 adds).
+0. delta[t, h] = sum_d dout * out (fp32), a small Triton kernel (no fp32 copy of [T, H, d_v]).
+1. dQ kernel, grid (token, head block), keys-major like the forward (S^T = KV @ Q^T, M = keys):
+       P^T  = exp2(S^T * scale * log2e - lse * log2e)      (masked slots -> 0)
+       dP^T = KV_v @ dO^T;  dS^T = P^T * (dP^T - delta) * scale
+       dQ^T += KV^T @ dS^T                                 (on chip for the whole row, no atomics)
+   and stores P^T, dS^T (kv dtype) to a [T_chunk, k, H] workspace.
+2. dKV kernel, grid (column block of Dqk, token): for each key block,
+       dKV[idx] += dS^T @ Q[t] + P^T @ dO[t] (value columns only), the head sum done by the MMA (K = heads),
+   then one fp32 atomic per (token, key, column) into an [S_kv, Dqk] buffer, cast to kv's dtype at the end.
+
+Why two kernels instead of one: fused, each head block would add its own dKV rows (3 atomics per key and
+token at 96 heads = 3 x 32) and would need a [keys, Dqk] fp32 tile next to the dQ accumulator; on sm90 that
+overflows registers and the 227 KB of shared memory. The workspace costs 2 * k * H * 2 bytes per token
+(0.8 MB at K3 shapes, written once, read from L2); tokens are processed in chunks under `workspace_bytes`.
+Same GEMM work as fused (S, dP, dQ in kernel 1; two dKV GEMMs in kernel 2). dKV is nondeterministic at the
+fp32-rounding level (atomic order).
 """
 
 from __future__ import annotations
@@ -29,9 +37,21 @@ from .sparse_mla_fwd import (
     launch,
     next_pow2,
     row_extent,
+    upcast_dots,
 )
 
-__all__ = ["sparse_mla_bwd", "sparse_mla_bwd_preprocess", "bwd_configs", "default_bwd_config"]
+__all__ = [
+    "sparse_mla_bwd",
+    "sparse_mla_bwd_preprocess",
+    "dq_configs",
+    "dkv_configs",
+    "default_dq_config",
+    "default_dkv_config",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 0. delta = rowsum(dout * out)
 
 
 @triton.jit
@@ -48,7 +68,7 @@ def _delta_kernel(OUT, DO, DELTA, stride_ot, stride_oh, stride_dt, stride_dh, st
 
 
 def sparse_mla_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """delta [T, H] fp32 = rowsum(dout * out), without materialising fp32 copies of [T, H, d_v]."""
+    """delta [T, H] fp32 = rowsum(dout * out)."""
     if out.shape != dout.shape or out.dim() != 3:
         raise ValueError(f"sparse_mla_bwd: out {tuple(out.shape)} and dout {tuple(dout.shape)} must match [T,H,d_v]")
     out = out if out.stride(-1) == 1 else out.contiguous()
@@ -63,16 +83,21 @@ def sparse_mla_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Te
     return delta
 
 
+# ----------------------------------------------------------------------------------------------------------
+# 1. dQ (+ P^T, dS^T workspace)
+
+
 @triton.jit
-def _sparse_mla_bwd_kernel(
-    Q, KV, IDX, EXT, DO, LSE, DELTA, DQ, DKV,
-    stride_qt, stride_qh, stride_kvt, stride_it, stride_dt, stride_dh, stride_lt,
-    stride_dqt, stride_dqh, stride_dkvt,
-    H, S_KV, qk_scale_log2, sm_scale,
+def _bwd_dq_kernel(
+    Q, KV, IDX, EXT, DO, LSE, DELTA, DQ, PB, DSB,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_dt, stride_dh, stride_lt, stride_dqt, stride_dqh,
+    stride_bt, stride_bn,
+    t0, H, S_KV, TOPK, qk_scale_log2, sm_scale,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    tl_ = tl.program_id(0).to(tl.int64)  # token inside the chunk
+    t = t0 + tl_
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     offs_v = tl.arange(0, BLOCK_DV)
@@ -81,12 +106,14 @@ def _sparse_mla_bwd_kernel(
     r_ok = offs_r < D_R
     n_end = tl.load(EXT + t)
 
-    # Row-major [BLOCK_H, D] tiles: B operand of the dKV GEMMs; their transposes feed S^T / dP^T.
-    q_ptr = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    qn = tl.load(q_ptr + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
-    qr = tl.load(q_ptr + D_V + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    do = tl.load(DO + t * stride_dt + offs_h[:, None] * stride_dh + offs_v[None, :],
-                 mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+    # Q^T / dO^T tiles [D, BLOCK_H]: B operands of S^T = KV @ Q^T and dP^T = KV_v @ dO^T.
+    q_ptr = Q + t * stride_qt + offs_h[None, :] * stride_qh
+    qn = tl.load(q_ptr + offs_v[:, None], mask=v_ok[:, None] & h_ok[None, :], other=0.0)
+    qr = tl.load(q_ptr + D_V + offs_r[:, None], mask=r_ok[:, None] & h_ok[None, :], other=0.0)
+    do = tl.load(DO + t * stride_dt + offs_h[None, :] * stride_dh + offs_v[:, None],
+                 mask=v_ok[:, None] & h_ok[None, :], other=0.0)
+    if UPCAST:  # interpreter only: it cannot tl.dot bf16
+        qn, qr, do = qn.to(tl.float32), qr.to(tl.float32), do.to(tl.float32)
     lse2 = tl.load(LSE + t * stride_lt + offs_h, mask=h_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + t * stride_lt + offs_h, mask=h_ok, other=0.0)
 
@@ -96,29 +123,23 @@ def _sparse_mla_bwd_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kid = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < n_end, other=-1)
         ok = (kid >= 0) & (kid < S_KV)
-        kid64 = kid.to(tl.int64)
-        kv_row = KV + kid64 * stride_kvt
+        kv_row = KV + kid.to(tl.int64) * stride_kvt
         kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
         kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
-
-        s = tl.dot(kn, tl.trans(qn), input_precision=DOT_PREC)
-        s = tl.dot(kr, tl.trans(qr), s, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
-        live = ok[:, None] & h_ok[None, :]
+        if UPCAST:
+            kn, kr = kn.to(tl.float32), kr.to(tl.float32)
+        s = tl.dot(kn, qn, input_precision=DOT_PREC)
+        s = tl.dot(kr, qr, s, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
         # where() after exp2: masked lanes may be inf/nan (empty rows have lse = -inf) and are dropped.
-        p = tl.where(live, tl.exp2(s * qk_scale_log2 - lse2[None, :]), 0.0)
-        dp = tl.dot(kn, tl.trans(do), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
+        p = tl.where(ok[:, None] & h_ok[None, :], tl.exp2(s * qk_scale_log2 - lse2[None, :]), 0.0)
+        dp = tl.dot(kn, do, input_precision=DOT_PREC)
         ds = p * (dp - delta[None, :]) * sm_scale
         dsc = ds.to(kn.dtype)
-        pc = p.to(kn.dtype)
-
-        dkn = tl.dot(dsc, qn, input_precision=DOT_PREC)
-        dkn = tl.dot(pc, do, dkn, input_precision=DOT_PREC)  # [BLOCK_N, D_V]
-        dkr = tl.dot(dsc, qr, input_precision=DOT_PREC)  # [BLOCK_N, D_R]
-        dkv_row = DKV + kid64 * stride_dkvt
-        tl.atomic_add(dkv_row[:, None] + offs_v[None, :], dkn, mask=ok[:, None] & v_ok[None, :], sem="relaxed")
-        tl.atomic_add(dkv_row[:, None] + D_V + offs_r[None, :], dkr, mask=ok[:, None] & r_ok[None, :],
-                      sem="relaxed")
-
+        # workspace [T_chunk, k, H]: the dKV kernel reads [keys, heads] tiles with heads contiguous
+        b_off = tl_ * stride_bt + offs_n[:, None] * stride_bn + offs_h[None, :]
+        b_mask = (offs_n < TOPK)[:, None] & h_ok[None, :]
+        tl.store(PB + b_off, p.to(PB.dtype.element_ty), mask=b_mask)
+        tl.store(DSB + b_off, ds.to(DSB.dtype.element_ty), mask=b_mask)
         dqn = tl.dot(tl.trans(kn), dsc, dqn, input_precision=DOT_PREC)  # [D_V, BLOCK_H]
         dqr = tl.dot(tl.trans(kr), dsc, dqr, input_precision=DOT_PREC)  # [D_R, BLOCK_H]
 
@@ -127,31 +148,95 @@ def _sparse_mla_bwd_kernel(
     tl.store(dq_ptr + D_V + offs_r[:, None], dqr.to(DQ.dtype.element_ty), mask=r_ok[:, None] & h_ok[None, :])
 
 
-def _cfg(bh: int, bn: int, warps: int, stages: int) -> dict:
-    return dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+# ----------------------------------------------------------------------------------------------------------
+# 2. dKV from the workspace
+
+
+@triton.jit
+def _bwd_dkv_kernel(
+    Q, IDX, EXT, DO, PB, DSB, DKV,
+    stride_qt, stride_qh, stride_it, stride_dt, stride_dh, stride_bt, stride_bn, stride_dkvt,
+    t0, H, S_KV, D,
+    D_V: tl.constexpr, BLOCK_HP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    offs_c = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)  # columns of Dqk
+    tl_ = tl.program_id(1).to(tl.int64)
+    t = t0 + tl_
+    offs_h = tl.arange(0, BLOCK_HP)  # all heads at once: the head sum is the MMA's K dimension
+    h_ok = offs_h < H
+    c_ok = offs_c < D
+    n_end = tl.load(EXT + t)
+    # [heads, columns] B operands, loaded once per program; dO only covers the value columns.
+    qc = tl.load(Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_c[None, :],
+                 mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    doc = tl.load(DO + t * stride_dt + offs_h[:, None] * stride_dh + offs_c[None, :],
+                  mask=h_ok[:, None] & (offs_c < D_V)[None, :], other=0.0)
+    if UPCAST:
+        qc, doc = qc.to(tl.float32), doc.to(tl.float32)
+    for n0 in range(0, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kid = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < n_end, other=-1)
+        ok = (kid >= 0) & (kid < S_KV)
+        b_off = tl_ * stride_bt + offs_n[:, None] * stride_bn + offs_h[None, :]
+        b_mask = (offs_n < n_end)[:, None] & h_ok[None, :]
+        dst = tl.load(DSB + b_off, mask=b_mask, other=0.0)
+        pt = tl.load(PB + b_off, mask=b_mask, other=0.0)
+        if UPCAST:
+            dst, pt = dst.to(tl.float32), pt.to(tl.float32)
+        g = tl.dot(dst, qc, input_precision=DOT_PREC)
+        g = tl.dot(pt, doc, g, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_D]
+        tl.atomic_add(DKV + kid.to(tl.int64)[:, None] * stride_dkvt + offs_c[None, :], g,
+                      mask=ok[:, None] & c_ok[None, :], sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# configs
 
 
 def _head_block(H: int) -> int:
     return 32 if H % 32 == 0 else 16
 
 
-def default_bwd_config(H: int, on_gpu: bool = True) -> dict:
-    """8 warps: dQ^T [512, 32] fp32 is 64 regs/thread and the per-block dKV [64, 512] fp32 another 128.
-    One stage: kv tile 72 KB + Q 36 KB + dO 32 KB already use ~140 KB of shared memory."""
+def default_dq_config(H: int, on_gpu: bool = True) -> dict:
+    """Like the forward: one warpgroup over 64 keys (wgmma M = 64), dQ^T [576, 32] fp32 on chip."""
     if not on_gpu:
-        return _cfg(16, 16, 4, 1)
-    return _cfg(_head_block(H), 64, 8, 1)
+        return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    return dict(BLOCK_H=_head_block(H), BLOCK_N=64, num_warps=4, num_stages=2)
 
 
-def bwd_configs(H: int) -> list[dict]:
+def dq_configs(H: int) -> list[dict]:
+    # sm90 AOT compile (96 heads): 32/64/w4/s2 uses 225 KB shared memory and 255 registers with ~0.5 KB of
+    # spills; the 16-head block barely spills but doubles the kv gathers.
     bh = _head_block(H)
-    cfgs = [
-        _cfg(bh, 64, 8, 1),
-        _cfg(bh, 64, 8, 2),
-        _cfg(bh, 32, 4, 2),
-        _cfg(16, 64, 8, 2),
-        _cfg(bh, 128, 8, 1),
-    ]
+    return _dedup([
+        dict(BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2),
+        dict(BLOCK_H=bh, BLOCK_N=64, num_warps=8, num_stages=2),
+        dict(BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=3),
+        dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    ])
+
+
+def default_dkv_config(on_gpu: bool = True) -> dict:
+    """64 keys x 128 columns per step, all heads (padded to a power of two) as the MMA K dimension.
+    Shared memory: Q and dO column tiles 2 x 32 KB, 3 stages of P^T/dS^T tiles 3 x 32 KB, and 32 KB to
+    re-layout the fp32 [64, 128] result for the atomics (~196 KB)."""
+    if not on_gpu:
+        return dict(BLOCK_N=16, BLOCK_D=32, num_warps=4, num_stages=1)
+    return dict(BLOCK_N=64, BLOCK_D=128, num_warps=4, num_stages=3)
+
+
+def dkv_configs() -> list[dict]:
+    # all fit the 227 KB sm90 shared-memory limit at 96-128 heads (checked with an sm90 AOT compile)
+    return _dedup([
+        dict(BLOCK_N=64, BLOCK_D=128, num_warps=4, num_stages=3),
+        dict(BLOCK_N=64, BLOCK_D=128, num_warps=4, num_stages=2),
+        dict(BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=2),
+        dict(BLOCK_N=64, BLOCK_D=64, num_warps=4, num_stages=4),
+    ])
+
+
+def _dedup(cfgs: list[dict]) -> list[dict]:
     out, seen = [], set()
     for c in cfgs:
         key = tuple(sorted(c.items()))
@@ -161,15 +246,29 @@ def bwd_configs(H: int) -> list[dict]:
     return out
 
 
+def _to_triton_configs(cfg_key: tuple) -> list:
+    return [triton.Config({k: v for k, v in c if not k.startswith("num_")},
+                          num_warps=dict(c)["num_warps"], num_stages=dict(c)["num_stages"]) for c in cfg_key]
+
+
 @functools.lru_cache(maxsize=None)
-def _autotuned_bwd(cfg_key: tuple):
-    configs = [
-        triton.Config({k: v for k, v in c if not k.startswith("num_")},
-                      num_warps=dict(c)["num_warps"], num_stages=dict(c)["num_stages"])
-        for c in cfg_key
-    ]
+def _autotuned_dq(cfg_key: tuple):
+    return triton.autotune(configs=_to_triton_configs(cfg_key), key=["H", "D_V", "D_R"])(_bwd_dq_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned_dkv(cfg_key: tuple):
     # reset_to_zero: each benchmark run accumulates into DKV.
-    return triton.autotune(configs=configs, key=["H", "D_V", "D_R"], reset_to_zero=["DKV"])(_sparse_mla_bwd_kernel)
+    return triton.autotune(configs=_to_triton_configs(cfg_key), key=["H", "D", "D_V"],
+                           reset_to_zero=["DKV"])(_bwd_dkv_kernel)
+
+
+def _key(cfgs: list[dict]) -> tuple:
+    return tuple(tuple(sorted(c.items())) for c in cfgs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# entry point
 
 
 def sparse_mla_bwd(
@@ -182,11 +281,15 @@ def sparse_mla_bwd(
     scale: float,
     d_v: int = 512,
     *,
-    config: dict | None = None,
+    workspace_bytes: int = 2 << 30,
+    dq_config: dict | None = None,
+    dkv_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA backward. Returns (dq [T, H, Dqk] in q's dtype, dkv [S_kv, Dqk] in kv's dtype).
 
-    `config` (BLOCK_H, BLOCK_N, num_warps, num_stages) pins a config and bypasses autotuning."""
+    `workspace_bytes` caps the P/dS workspace (tokens are processed in chunks). `dq_config`
+    (BLOCK_H, BLOCK_N, num_warps, num_stages) and `dkv_config` (BLOCK_N, BLOCK_D, num_warps, num_stages)
+    pin configs and bypass autotuning, as does TITAN_KIMI_TRITON_AUTOTUNE=0 (defaults then)."""
     check_sparse_mla_inputs(q, kv, idx, d_v)
     T, H, D = q.shape
     if out.shape != (T, H, d_v) or dout.shape != (T, H, d_v):
@@ -200,22 +303,43 @@ def sparse_mla_bwd(
     lse = lse.contiguous()
     S_kv, k = kv.shape[0], idx.shape[1]
     d_r = D - d_v
-    delta = sparse_mla_bwd_preprocess(out, dout)
     dq = torch.empty_like(q)
     dkv32 = torch.zeros(S_kv, D, dtype=torch.float32, device=q.device)
-    if T == 0 or H == 0:
+    if T == 0 or H == 0 or k == 0:
+        dq.zero_()
         return dq, dkv32.to(kv.dtype)
-    ext = row_extent(idx, S_kv) if k > 0 else torch.zeros(T, dtype=torch.int32, device=q.device)
-    args = (q, kv, idx, ext, dout, lse, delta, dq, dkv32,
-            q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1), lse.stride(0),
-            dq.stride(0), dq.stride(1), dkv32.stride(0),
-            H, S_kv, float(scale) * 1.4426950408889634, float(scale))
-    meta = dict(D_V=d_v, D_R=d_r, BLOCK_DV=next_pow2(max(d_v, 16)), BLOCK_DR=next_pow2(max(d_r, 16)),
-                DOT_PREC=dot_precision(q.dtype))
-    if config is None and autotune_enabled(q):
-        kernel = _autotuned_bwd(tuple(tuple(sorted(c.items())) for c in bwd_configs(H)))
-        launch(kernel, lambda m: (T, triton.cdiv(H, m["BLOCK_H"])), *args, **meta)
-    else:
-        c = dict(config or default_bwd_config(H, on_gpu=q.is_cuda and not interpreting()))
-        launch(_sparse_mla_bwd_kernel, (T, triton.cdiv(H, c["BLOCK_H"])), *args, **meta, **c)
+    delta = sparse_mla_bwd_preprocess(out, dout)
+    ext = row_extent(idx, S_kv)
+    tune = autotune_enabled(q)
+    on_gpu = q.is_cuda and not interpreting()
+    prec = dict(DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype))
+
+    per_token = 2 * k * H * kv.element_size()
+    chunk = max(1, min(T, 65535, int(workspace_bytes) // per_token))
+    pbuf = torch.empty(chunk, k, H, dtype=kv.dtype, device=q.device)
+    dsbuf = torch.empty_like(pbuf)
+    dq_meta = dict(D_V=d_v, D_R=d_r, BLOCK_DV=next_pow2(max(d_v, 16)), BLOCK_DR=next_pow2(max(d_r, 16)), **prec)
+    dkv_meta = dict(D_V=d_v, BLOCK_HP=next_pow2(max(H, 16)), **prec)
+    for t0 in range(0, T, chunk):
+        n = min(chunk, T - t0)
+        dq_args = (q, kv, idx, ext, dout, lse, delta, dq, pbuf, dsbuf,
+                   q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
+                   lse.stride(0), dq.stride(0), dq.stride(1), pbuf.stride(0), pbuf.stride(1),
+                   t0, H, S_kv, k, float(scale) * 1.4426950408889634, float(scale))
+        if dq_config is None and tune:
+            launch(_autotuned_dq(_key(dq_configs(H))), lambda m: (n, triton.cdiv(H, m["BLOCK_H"])), *dq_args,
+                   **dq_meta)
+        else:
+            c = dict(dq_config or default_dq_config(H, on_gpu))
+            launch(_bwd_dq_kernel, (n, triton.cdiv(H, c["BLOCK_H"])), *dq_args, **dq_meta, **c)
+
+        dkv_args = (q, idx, ext, dout, pbuf, dsbuf, dkv32,
+                    q.stride(0), q.stride(1), idx.stride(0), dout.stride(0), dout.stride(1),
+                    pbuf.stride(0), pbuf.stride(1), dkv32.stride(0), t0, H, S_kv, D)
+        if dkv_config is None and tune:
+            launch(_autotuned_dkv(_key(dkv_configs())), lambda m: (triton.cdiv(D, m["BLOCK_D"]), n), *dkv_args,
+                   **dkv_meta)
+        else:
+            c = dict(dkv_config or default_dkv_config(on_gpu))
+            launch(_bwd_dkv_kernel, (triton.cdiv(D, c["BLOCK_D"]), n), *dkv_args, **dkv_meta, **c)
     return dq, dkv32.to(kv.dtype)

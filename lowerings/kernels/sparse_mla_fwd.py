@@ -46,19 +46,26 @@ def autotune_enabled(t: torch.Tensor) -> bool:
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch through torch.library.wrap_triton when possible, so the entry points can be the body of a
-    torch.library.triton_op (Inductor sees the kernel); interpreted kernels are launched directly."""
-    if isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
-        wrap = getattr(torch.library, "wrap_triton", None)
-        if wrap is not None:
-            wrap(kernel)[grid](*args, **kwargs)
-            return
-    kernel[grid](*args, **kwargs)
+    """Launch a kernel. Under tracing (torch.compile / a torch.library.triton_op being traced, i.e. fake or
+    functional tensors) it goes through torch.library.wrap_triton so Inductor sees the kernel; in eager it
+    calls the kernel directly, because wrap_triton's HOP dispatch costs ~1 ms per launch in eager mode."""
+    traced = torch.compiler.is_compiling() or any(
+        isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
+    if traced and isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
+        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
 
 
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs (tests) use exact fp32 products; bf16/fp16 ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 or upcast_dots(dtype) else "tf32"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """The CPU interpreter computes tl.dot on the raw uint16 storage of bf16 tensors, so under it 16-bit
+    tiles are cast to fp32 before every dot (the compiled GPU path never does this)."""
+    return interpreting() and dtype != torch.float32
 
 
 def check_sparse_mla_inputs(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int) -> None:
@@ -114,6 +121,7 @@ def _sparse_mla_fwd_kernel(
     H, S_KV, qk_scale_log2,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_MAJOR: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -134,6 +142,8 @@ def _sparse_mla_fwd_kernel(
                      mask=v_ok[:, None] & h_ok[None, :], other=0.0)
         qr = tl.load(q_row + offs_h[None, :] * stride_qh + D_V + offs_r[:, None],
                      mask=r_ok[:, None] & h_ok[None, :], other=0.0)
+        if UPCAST:
+            qn, qr = qn.to(tl.float32), qr.to(tl.float32)
         acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
         for n0 in range(0, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -142,6 +152,8 @@ def _sparse_mla_fwd_kernel(
             kv_row = KV + kid.to(tl.int64) * stride_kvt
             kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
             kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+            if UPCAST:
+                kn, kr = kn.to(tl.float32), kr.to(tl.float32)
             s = tl.dot(kn, qn, input_precision=DOT_PREC)
             s = tl.dot(kr, qr, s, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
             s = tl.where(ok[:, None], s * qk_scale_log2, float("-inf"))
@@ -162,6 +174,8 @@ def _sparse_mla_fwd_kernel(
                      mask=h_ok[:, None] & v_ok[None, :], other=0.0)
         qr = tl.load(q_row + offs_h[:, None] * stride_qh + D_V + offs_r[None, :],
                      mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        if UPCAST:
+            qn, qr = qn.to(tl.float32), qr.to(tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
         for n0 in range(0, n_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -170,6 +184,8 @@ def _sparse_mla_fwd_kernel(
             kv_row = KV + kid.to(tl.int64) * stride_kvt
             kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
             kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+            if UPCAST:
+                kn, kr = kn.to(tl.float32), kr.to(tl.float32)
             s = tl.dot(qn, tl.trans(kn), input_precision=DOT_PREC)
             s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_N]
             s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))
@@ -216,17 +232,20 @@ def default_fwd_config(H: int, on_gpu: bool = True) -> dict:
 
 
 def fwd_configs(H: int) -> list[dict]:
-    """Small autotune list (each config is a full compile). Pruned to head blocks that suit H."""
+    """Small autotune list (each config is a full compile). From an sm90 AOT compile at 96 heads:
+    32/64/keys-major/4 warps/2 stages: 188 KB shared memory, 255 registers, ~0.1 KB spills (the O^T
+    accumulator [512, 32] fp32 is 128 registers/thread); 8 warps: 196 registers, no spills, but the
+    [64, 32] score GEMM is replicated on both warpgroups (Triton puts chained-dot warps along M)."""
     bh = _head_block(H)
     cfgs = [
-        _cfg(bh, 64, True, 4, 2),  # default: wgmma M=64, acc O^T [512, 32] = 128 regs/thread
+        _cfg(bh, 64, True, 4, 2),
         _cfg(bh, 64, True, 4, 3),
-        _cfg(bh, 128, True, 8, 1),  # two warpgroups over 128 keys; 144 KB kv tile, single stage
+        _cfg(bh, 64, True, 8, 2),
         _cfg(16, 64, True, 4, 2),
-        _cfg(bh, 32, False, 4, 2),  # heads-major fallback (mma.sync on Hopper)
+        _cfg(bh, 32, False, 4, 2),  # heads-major fallback (mma.sync at 32 heads)
     ]
     if H % 64 == 0:
-        cfgs.append(_cfg(64, 128, True, 8, 1))  # fewer kv re-reads for 64/128 heads
+        cfgs.append(_cfg(64, 64, False, 8, 2))  # heads-major wgmma for 64/128 heads
     out, seen = [], set()
     for c in cfgs:
         key = tuple(sorted(c.items()))
@@ -279,7 +298,7 @@ def sparse_mla_fwd(
             q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
             H, S_kv, float(scale) * 1.4426950408889634)
     meta = dict(D_V=d_v, D_R=d_r, BLOCK_DV=next_pow2(max(d_v, 16)), BLOCK_DR=next_pow2(max(d_r, 16)),
-                DOT_PREC=dot_precision(q.dtype))
+                DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype))
     if config is None and autotune_enabled(q):
         kernel = _autotuned_fwd(tuple(tuple(sorted(c.items())) for c in fwd_configs(H)))
         launch(kernel, lambda m: (T, triton.cdiv(H, m["BLOCK_H"])), *args, **meta)
