@@ -31,8 +31,12 @@ _MAX_PROGRAMS = 1024  # backward row groups; fixed so the d_g/d_w reduction orde
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
-    # wrap_triton keeps the launch visible to Inductor when this runs inside a torch.library.triton_op.
-    if isinstance(kernel, triton.runtime.JITFunction) and hasattr(torch.library, "wrap_triton"):
+    """Launch a kernel. Under tracing (torch.compile / a torch.library.triton_op being traced, i.e. fake or
+    functional tensors) it goes through torch.library.wrap_triton so Inductor sees the kernel; in eager it
+    calls the kernel directly, because wrap_triton's HOP dispatch costs ~1 ms per launch in eager mode."""
+    traced = torch.compiler.is_compiling() or any(
+        isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
+    if traced and isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)

@@ -33,9 +33,12 @@ def _interpreting() -> bool:
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
-    # wrap_triton keeps the launch visible to Inductor when this runs inside a torch.library.triton_op.
-    if isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)) and hasattr(torch.library,
-                                                                                                "wrap_triton"):
+    """Launch a kernel. Under tracing (torch.compile / a torch.library.triton_op being traced, i.e. fake or
+    functional tensors) it goes through torch.library.wrap_triton so Inductor sees the kernel; in eager it
+    calls the kernel directly, because wrap_triton's HOP dispatch costs ~1 ms per launch in eager mode."""
+    traced = torch.compiler.is_compiling() or any(
+        isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
+    if traced and isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
@@ -47,7 +50,7 @@ def _indexer_scores_kernel(
     stride_qt, stride_qh, stride_kt, stride_wt, stride_wh, stride_or,
     row0, n_rows, width, HI, D, scale,
     BLOCK_M: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # One program: BLOCK_M query rows x BLOCK_N keys. The BLOCK_M * BLOCK_HI (query, head) pairs form the
     # MMA M dimension (64 heads x 2 rows = 128), so the head reduction is a reshape + sum after the dot.
@@ -72,6 +75,8 @@ def _indexer_scores_kernel(
                      mask=mh_ok[:, None] & d_ok[None, :], other=0.0)
         kt = tl.load(K + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
                      mask=(offs_n < width)[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter cannot tl.dot bf16 (it multiplies the raw uint16 storage)
+            qt, kt = qt.to(tl.float32), kt.to(tl.float32)
         w = tl.load(W + t_mh * stride_wt + head * stride_wh, mask=mh_ok, other=0.0).to(tl.float32)
         s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC)  # [BLOCK_M * BLOCK_HI, BLOCK_N] fp32
         s = tl.maximum(s * scale, 0.0) * w[:, None]
@@ -143,7 +148,8 @@ def indexer_scores(
             q.stride(0), q.stride(1), k.stride(0), w.stride(0), w.stride(1), out.stride(0),
             row0, n_rows, width, HI, D, float(scale))
     meta = dict(BLOCK_HI=_next_pow2(max(HI, 1)), BLOCK_D=_next_pow2(max(D, 16)),
-                DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                DOT_PREC="ieee" if q.dtype == torch.float32 or _interpreting() else "tf32",
+                UPCAST=_interpreting() and q.dtype != torch.float32)
     use_tune = (config is None and q.is_cuda and not _interpreting()
                 and os.environ.get("TITAN_KIMI_TRITON_AUTOTUNE", "1") != "0")
     if use_tune:
