@@ -131,25 +131,25 @@ def bench_sparse_mla(T: int, args, refs, rows: list) -> None:
     b_bwd = b_fwd + dout.numel() * 2 + q.numel() * 2 + kv.numel() * (4 * 2 + 2)
     note = f"indices={args.indices}, valid/row={n_valid / T:.0f}"
 
-    out, lse = F.sparse_mla_fwd(q, kv, idx, MLA_SCALE, D_V)  # autotunes on first call
-    B.sparse_mla_bwd(q, kv, idx, out, dout, lse, MLA_SCALE, D_V)
+    out, lse = F.sparse_mla_forward(q, kv, idx, MLA_SCALE, D_V)  # autotunes on first call
+    B.sparse_mla_backward(dout, q, kv, idx, out, lse, MLA_SCALE, D_V)
     tuned_f = _best_config(F._autotuned_fwd, F.fwd_configs(H_MLA)) if F.autotune_enabled(q) else "autotune off"
     tuned_b = (_best_config(B._autotuned_dq, B.dq_configs(H_MLA)) + " / " + _best_config(B._autotuned_dkv, B.dkv_configs())
                if F.autotune_enabled(q) else "autotune off")
-    r = time_cuda(lambda: F.sparse_mla_fwd(q, kv, idx, MLA_SCALE, D_V), args.warmup, args.reps)
+    r = time_cuda(lambda: F.sparse_mla_forward(q, kv, idx, MLA_SCALE, D_V), args.warmup, args.reps)
     rows.append(_row("sparse_mla", "triton", "fwd", T, r, f_fwd, b_fwd, f"{note}; {tuned_f}"))
-    r = time_cuda(lambda: B.sparse_mla_bwd(q, kv, idx, out, dout, lse, MLA_SCALE, D_V), args.warmup, args.reps)
+    r = time_cuda(lambda: B.sparse_mla_backward(dout, q, kv, idx, out, lse, MLA_SCALE, D_V), args.warmup, args.reps)
     rows.append(_row("sparse_mla", "triton", "bwd", T, r, f_bwd, b_bwd, f"{note}; {tuned_b}"))
 
     if args.sweep:
         for cfg in F.fwd_configs(H_MLA):
-            r, err = _try(lambda: time_cuda(lambda: F.sparse_mla_fwd(q, kv, idx, MLA_SCALE, D_V, config=cfg),
+            r, err = _try(lambda: time_cuda(lambda: F.sparse_mla_forward(q, kv, idx, MLA_SCALE, D_V, config=cfg),
                                             args.warmup, args.reps))
             rows.append(_row("sparse_mla", "triton-cfg", "fwd", T, r, f_fwd, b_fwd, err or str(cfg)))
         for name, cfgs in (("dq_config", B.dq_configs(H_MLA)), ("dkv_config", B.dkv_configs())):
             for cfg in cfgs:
                 kw = {name: cfg}
-                fn = lambda: B.sparse_mla_bwd(q, kv, idx, out, dout, lse, MLA_SCALE, D_V, **kw)  # noqa: E731
+                fn = lambda: B.sparse_mla_backward(dout, q, kv, idx, out, lse, MLA_SCALE, D_V, **kw)  # noqa: E731
                 r, err = _try(lambda: time_cuda(fn, args.warmup, args.reps))
                 rows.append(_row("sparse_mla", "triton-cfg", "bwd", T, r, f_bwd, b_bwd, err or f"{name}={cfg}"))
 
@@ -201,7 +201,7 @@ def bench_indexer(T: int, args, refs, rows: list) -> None:
 
 
 def bench_situ_glu(T: int, args, refs, rows: list) -> None:
-    from lowerings.kernels.situ_glu import situ_glu_bwd, situ_glu_fwd
+    from lowerings.kernels.situ_glu import situ_glu_backward, situ_glu_forward
 
     n = T * SITU_ROWS_PER_TOKEN
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -210,9 +210,9 @@ def bench_situ_glu(T: int, args, refs, rows: list) -> None:
     b_f = n * SITU_F * 2 * 3
     b_b = n * SITU_F * 2 * 5
     note = f"rows={n} (T*{SITU_ROWS_PER_TOKEN}), F={SITU_F}"
-    r = time_cuda(lambda: situ_glu_fwd(x), args.warmup, args.reps)
+    r = time_cuda(lambda: situ_glu_forward(x), args.warmup, args.reps)
     rows.append(_row("situ_glu", "triton", "fwd", T, r, 0, b_f, note))
-    r = time_cuda(lambda: situ_glu_bwd(dy, x), args.warmup, args.reps)
+    r = time_cuda(lambda: situ_glu_backward(dy, x), args.warmup, args.reps)
     rows.append(_row("situ_glu", "triton", "bwd", T, r, 0, b_b, note))
     if args.no_ref or not _fits(12 * x.numel() * 4):
         return
@@ -230,7 +230,7 @@ def bench_situ_glu(T: int, args, refs, rows: list) -> None:
 
 
 def bench_attn_res_mix(T: int, args, refs, rows: list) -> None:
-    from lowerings.kernels.attn_res_mix import attn_res_mix_bwd, attn_res_mix_fwd
+    from lowerings.kernels.attn_res_mix import attn_res_mix_backward, attn_res_mix_forward
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     bank = torch.randn(T, ATTN_M, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -241,9 +241,9 @@ def bench_attn_res_mix(T: int, args, refs, rows: list) -> None:
     b_f = (bank.numel() + 2 * part.numel()) * 2
     b_b = (2 * bank.numel() + 3 * part.numel()) * 2
     note = f"m={ATTN_M}, H={HIDDEN}"
-    r = time_cuda(lambda: attn_res_mix_fwd(bank, part, g, w, 1e-5), args.warmup, args.reps)
+    r = time_cuda(lambda: attn_res_mix_forward(bank, part, g, w, 1e-5), args.warmup, args.reps)
     rows.append(_row("attn_res_mix", "triton", "fwd", T, r, 0, b_f, note))
-    r = time_cuda(lambda: attn_res_mix_bwd(dout, bank, part, g, w, 1e-5), args.warmup, args.reps)
+    r = time_cuda(lambda: attn_res_mix_backward(dout, bank, part, g, w, 1e-5), args.warmup, args.reps)
     rows.append(_row("attn_res_mix", "triton", "bwd", T, r, 0, b_b, note))
     if args.no_ref or not _fits(8 * bank.numel() * 4):
         return

@@ -79,9 +79,10 @@ def ref_indexer_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_st
 
 
 def ref_indexer_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Top-k of dense masked scores, ascending key order, -1 suffix."""
+    """Top-k of dense masked scores, ties to the most recent key, ascending key order, -1 suffix."""
     T = scores.shape[0]
-    vals, sel = scores.topk(min(topk, T), dim=1)
+    vals, order = torch.sort(scores.flip(-1), dim=1, descending=True, stable=True)  # stable on flipped: recent first
+    vals, sel = vals[:, : min(topk, T)], T - 1 - order[:, : min(topk, T)]
     sel = torch.where(torch.isneginf(vals), T, sel).sort(dim=1).values
     return torch.where(sel == T, -1, sel).to(torch.int32)
 
@@ -211,7 +212,7 @@ def _sparse_inputs(T=24, H=3, k=20, S=None, dtype=torch.float32, seed=0):
 def test_sparse_mla_fwd_fp32(ik, keys_major):
     q, kv, idx = _sparse_inputs()
     cfg = dict(BLOCK_H=16, BLOCK_N=16, KEYS_MAJOR=keys_major, num_warps=4, num_stages=1)
-    out, lse = ik.sparse_mla_fwd.sparse_mla_fwd(q, kv, idx, 0.125, DV, config=cfg)
+    out, lse = ik.sparse_mla_fwd.sparse_mla_forward(q, kv, idx, 0.125, DV, config=cfg)
     ro, rl = ref_sparse_mla(q, kv, idx, 0.125, DV, torch.float64)
     assert out.shape == (24, 3, DV) and out.dtype == torch.float32 and lse.dtype == torch.float32
     assert rel_err(out, ro) < 1e-5
@@ -223,8 +224,8 @@ def test_sparse_mla_bwd_fp32(ik):
     q, kv, idx = _sparse_inputs(seed=1)
     gen = torch.Generator().manual_seed(2)
     dout = torch.randn(24, 3, DV, generator=gen)
-    out, lse = ik.sparse_mla_fwd.sparse_mla_fwd(q, kv, idx, 0.125, DV)
-    dq, dkv = ik.sparse_mla_bwd.sparse_mla_bwd(q, kv, idx, out, dout, lse, 0.125, DV)
+    out, lse = ik.sparse_mla_fwd.sparse_mla_forward(q, kv, idx, 0.125, DV)
+    dq, dkv = ik.sparse_mla_bwd.sparse_mla_backward(dout, q, kv, idx, out, lse, 0.125, DV)
     _, _, rdq, rdkv = ref_sparse_mla_grads(q, kv, idx, 0.125, DV, dout)
     assert dq.shape == q.shape and dkv.shape == kv.shape
     assert rel_err(dq, rdq) < 1e-5 and rel_err(dkv, rdkv) < 1e-5
@@ -235,9 +236,9 @@ def test_sparse_mla_bwd_workspace_chunks(ik):
     """A small workspace cap splits the backward into token chunks (P/dS workspace reused)."""
     q, kv, idx = _sparse_inputs(seed=4)
     dout = torch.randn(24, 3, DV, generator=torch.Generator().manual_seed(5))
-    out, lse = ik.sparse_mla_fwd.sparse_mla_fwd(q, kv, idx, 0.125, DV)
+    out, lse = ik.sparse_mla_fwd.sparse_mla_forward(q, kv, idx, 0.125, DV)
     per_token = 2 * idx.shape[1] * q.shape[1] * 4
-    dq, dkv = ik.sparse_mla_bwd.sparse_mla_bwd(q, kv, idx, out, dout, lse, 0.125, DV, workspace_bytes=5 * per_token)
+    dq, dkv = ik.sparse_mla_bwd.sparse_mla_backward(dout, q, kv, idx, out, lse, 0.125, DV, workspace_bytes=5 * per_token)
     _, _, rdq, rdkv = ref_sparse_mla_grads(q, kv, idx, 0.125, DV, dout)
     assert rel_err(dq, rdq) < 1e-5 and rel_err(dkv, rdkv) < 1e-5
 
@@ -251,8 +252,8 @@ def test_sparse_mla_bf16_causal_docs(ik):
     q = torch.randn(T, H, DV + DR, generator=gen).bfloat16()
     kv = torch.randn(T, DV + DR, generator=gen).bfloat16()
     dout = torch.randn(T, H, DV, generator=gen).bfloat16()
-    out, lse = ik.sparse_mla_fwd.sparse_mla_fwd(q, kv, idx, 0.2, DV)
-    dq, dkv = ik.sparse_mla_bwd.sparse_mla_bwd(q, kv, idx, out, dout, lse, 0.2, DV)
+    out, lse = ik.sparse_mla_fwd.sparse_mla_forward(q, kv, idx, 0.2, DV)
+    dq, dkv = ik.sparse_mla_bwd.sparse_mla_backward(dout, q, kv, idx, out, lse, 0.2, DV)
     ro, rl, rdq, rdkv = ref_sparse_mla_grads(q, kv, idx, 0.2, DV, dout)
     assert out.dtype == dq.dtype == dkv.dtype == torch.bfloat16
     assert rel_err(out, ro) < 1e-2 and rel_err(dq, rdq) < 1e-2 and rel_err(dkv, rdkv) < 1e-2
@@ -268,8 +269,8 @@ def test_sparse_mla_shapes(ik, H, d_v, d_r):
     kv = torch.randn(S, d_v + d_r, generator=gen)
     idx = torch.randint(-1, S, (T, k), generator=gen, dtype=torch.int32)
     dout = torch.randn(T, H, d_v, generator=gen)
-    out, lse = ik.sparse_mla_fwd.sparse_mla_fwd(q, kv, idx, 0.3, d_v)
-    dq, dkv = ik.sparse_mla_bwd.sparse_mla_bwd(q, kv, idx, out, dout, lse, 0.3, d_v)
+    out, lse = ik.sparse_mla_fwd.sparse_mla_forward(q, kv, idx, 0.3, d_v)
+    dq, dkv = ik.sparse_mla_bwd.sparse_mla_backward(dout, q, kv, idx, out, lse, 0.3, d_v)
     ro, rl, rdq, rdkv = ref_sparse_mla_grads(q, kv, idx, 0.3, d_v, dout)
     assert rel_err(out, ro) < 1e-5 and rel_err(dq, rdq) < 1e-5 and rel_err(dkv, rdkv) < 1e-5
     assert_lse_close(lse, rl, 1e-5)
@@ -277,7 +278,7 @@ def test_sparse_mla_shapes(ik, H, d_v, d_r):
 
 def test_sparse_mla_rejects_bad_inputs(ik):
     q, kv, idx = _sparse_inputs(T=8, k=4)
-    f = ik.sparse_mla_fwd.sparse_mla_fwd
+    f = ik.sparse_mla_fwd.sparse_mla_forward
     with pytest.raises(ValueError, match="int32"):
         f(q, kv, idx.long(), 0.1, DV)
     with pytest.raises(ValueError, match="Dqk"):
@@ -312,8 +313,28 @@ def test_indexer_topk_docs_and_chunks(ik, cap_rows):
     idx = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, 0.5, mem_cap_bytes=cap)
     scores = ref_indexer_scores(q, k, w, seg, 0.5)
     assert_topk_valid(idx, scores, topk, tol=1e-5)
+    assert torch.equal(idx, ref_indexer_topk(scores, topk))  # no near-ties at this seed
     assert (idx[11] == torch.tensor([11] + [-1] * 7, dtype=torch.int32)).all()  # one-token document
     assert (idx[0, 1:] == -1).all() and idx[0, 0] == 0
+
+
+def test_indexer_topk_ties_go_to_most_recent(ik):
+    """Exact ties (ReLU zeros, signed zeros) pick the most recent keys, as docs/ops.md requires."""
+    T, topk = 40, 6
+    q, k, w = _indexer_inputs(T, seed=6)
+    q[:20] = 0.0  # rows 0..19: every in-window score is exactly 0 (+0.0 or -0.0 by w's sign)
+    q[20:] = -q[20:].abs()
+    k[:] = k.abs()  # rows 20..39: q.k <= 0, so scores are 0 except where a few keys are made positive
+    k[25] = -k[25]
+    k[31] = -k[31]
+    seg = doc_seg_start(T, [8, 30])
+    idx = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, 0.5)
+    scores = ref_indexer_scores(q, k, w, seg, 0.5, torch.float32)
+    assert torch.equal(idx, ref_indexer_topk(scores, topk))
+    ar = torch.arange(T)
+    for t in range(20):  # all-zero rows: the last min(topk, window) keys
+        want = ar[max(int(seg[t]), t - topk + 1): t + 1]
+        assert torch.equal(idx[t, : len(want)].long(), want)
 
 
 def test_indexer_topk_k_larger_than_T(ik):
@@ -351,6 +372,13 @@ def test_indexer_scores_match_dense(ik):
     fin = torch.isfinite(ref)
     assert rel_err(got[fin], ref[fin]) < 1e-5
     assert (buf[:, 35:] == 7.0).all()  # columns past the chunk's width are left alone
+    keys = torch.zeros(15, T, dtype=torch.int64)
+    ik.indexer_topk.indexer_scores(q, k, w, seg, 0.5, 20, 15, keys)
+    kk = keys[:, :35]
+    assert torch.equal(kk == torch.iinfo(torch.int64).min, torch.isneginf(ref))
+    assert torch.equal(kk[fin] & 0xFFFFFFFF, torch.arange(35).expand(15, 35)[fin])  # low bits: key index
+    by_key = got[fin][kk[fin].argsort()]
+    assert (by_key[1:] >= by_key[:-1]).all()  # the int64 keys order like the fp32 scores
 
 
 def test_indexer_rejects_bad_inputs(ik):
@@ -380,8 +408,8 @@ def test_situ_glu_fwd_bwd(ik, dtype, tol):
     xr = x.double().requires_grad_()
     ref = ref_situ_glu(xr, 4.0, 25.0)
     ref.backward(dy.double())
-    y = ik.situ_glu.situ_glu_fwd(x, 4.0, 25.0)
-    dx = ik.situ_glu.situ_glu_bwd(dy, x, 4.0, 25.0)
+    y = ik.situ_glu.situ_glu_forward(x, 4.0, 25.0)
+    dx = ik.situ_glu.situ_glu_backward(dy, x, 4.0, 25.0)
     assert y.shape == (3, 5, 70) and y.dtype == dtype and dx.shape == x.shape and dx.dtype == dtype
     assert rel_err(y, ref) < tol and rel_err(dx, xr.grad) < tol
     assert torch.isfinite(dx).all()
@@ -393,10 +421,10 @@ def test_situ_glu_betas_and_validation(ik):
     xr = x.double().requires_grad_()
     ref = ref_situ_glu(xr, 2.5, 10.0)
     ref.sum().backward()
-    assert rel_err(ik.situ_glu.situ_glu_fwd(x, 2.5, 10.0), ref) < 1e-5
-    assert rel_err(ik.situ_glu.situ_glu_bwd(torch.ones(7, 33), x, 2.5, 10.0), xr.grad) < 1e-5
+    assert rel_err(ik.situ_glu.situ_glu_forward(x, 2.5, 10.0), ref) < 1e-5
+    assert rel_err(ik.situ_glu.situ_glu_backward(torch.ones(7, 33), x, 2.5, 10.0), xr.grad) < 1e-5
     with pytest.raises(ValueError, match="even"):
-        ik.situ_glu.situ_glu_fwd(torch.randn(4, 7))
+        ik.situ_glu.situ_glu_forward(torch.randn(4, 7))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -416,8 +444,8 @@ def test_attn_res_mix_fwd_bwd(ik, m, H, dtype, tol):
     ins = [t.double().requires_grad_() for t in (bank, part, g, w)]
     ref = ref_attn_res_mix(*ins, 1e-6)
     ref.backward(dout.double())
-    out = ik.attn_res_mix.attn_res_mix_fwd(bank, part, g, w, 1e-6)
-    grads = ik.attn_res_mix.attn_res_mix_bwd(dout, bank, part, g, w, 1e-6)
+    out = ik.attn_res_mix.attn_res_mix_forward(bank, part, g, w, 1e-6)
+    grads = ik.attn_res_mix.attn_res_mix_backward(dout, bank, part, g, w, 1e-6)
     assert out.dtype == dtype and rel_err(out, ref) < tol
     for got, r, src in zip(grads, ins, (bank, part, g, w)):
         assert got.shape == src.shape and got.dtype == src.dtype
@@ -434,8 +462,8 @@ def test_attn_res_mix_rows_per_program_and_determinism(ik, monkeypatch):
     g, w, dout = torch.randn(H, generator=gen), torch.randn(H, generator=gen), torch.randn(N, H, generator=gen)
     ins = [t.double().requires_grad_() for t in (bank, part, g, w)]
     ref_attn_res_mix(*ins, 1e-5).backward(dout.double())
-    a = ik.attn_res_mix.attn_res_mix_bwd(dout, bank, part, g, w, 1e-5)
-    b = ik.attn_res_mix.attn_res_mix_bwd(dout, bank, part, g, w, 1e-5)
+    a = ik.attn_res_mix.attn_res_mix_backward(dout, bank, part, g, w, 1e-5)
+    b = ik.attn_res_mix.attn_res_mix_backward(dout, bank, part, g, w, 1e-5)
     for x, y, r in zip(a, b, ins):
         assert torch.equal(x, y)
         assert rel_err(x, r.grad) < 1e-5
@@ -443,7 +471,7 @@ def test_attn_res_mix_rows_per_program_and_determinism(ik, monkeypatch):
 
 def test_attn_res_mix_validation(ik):
     with pytest.raises(ValueError, match="partial"):
-        ik.attn_res_mix.attn_res_mix_fwd(torch.randn(2, 3, 8), torch.randn(2, 7), torch.ones(8), torch.ones(8), 1e-6)
+        ik.attn_res_mix.attn_res_mix_forward(torch.randn(2, 3, 8), torch.randn(2, 7), torch.ones(8), torch.ones(8), 1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -470,13 +498,13 @@ def _k3_sparse_problem(T: int, H: int, k: int, docs: int = 4, seed: int = 0):
 @gpu
 @pytest.mark.parametrize("T,H", [(4096, 96), (1024, 64), (1024, 128), (1024, 16)])
 def test_gpu_sparse_mla_k3(T, H):
-    from lowerings.kernels.sparse_mla_bwd import sparse_mla_bwd
-    from lowerings.kernels.sparse_mla_fwd import sparse_mla_fwd
+    from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
+    from lowerings.kernels.sparse_mla_fwd import sparse_mla_forward
 
     scale = 192 ** -0.5
     q, kv, idx, dout = _k3_sparse_problem(T, H, 2048)
-    out, lse = sparse_mla_fwd(q, kv, idx, scale, 512)
-    dq, dkv = sparse_mla_bwd(q, kv, idx, out, dout, lse, scale, 512)
+    out, lse = sparse_mla_forward(q, kv, idx, scale, 512)
+    dq, dkv = sparse_mla_backward(dout, q, kv, idx, out, lse, scale, 512)
     torch.cuda.synchronize()
     ro, rl, rdq, rdkv = ref_sparse_mla_grads(q, kv, idx, scale, 512, dout, chunk=256, compute_dtype=torch.float32)
     assert rel_err(out, ro) <= 1e-2
@@ -501,12 +529,12 @@ def test_gpu_sparse_mla_every_config(which):
     for cfg in cfgs:
         try:
             if which == "fwd":
-                out, lse = F.sparse_mla_fwd(q, kv, idx, scale, 512, config=cfg)
+                out, lse = F.sparse_mla_forward(q, kv, idx, scale, 512, config=cfg)
                 errs = (rel_err(out, ro),)
             else:
-                out, lse = F.sparse_mla_fwd(q, kv, idx, scale, 512)
+                out, lse = F.sparse_mla_forward(q, kv, idx, scale, 512)
                 kw = {"dq_config": cfg} if which == "dq" else {"dkv_config": cfg}
-                dq, dkv = B.sparse_mla_bwd(q, kv, idx, out, dout, lse, scale, 512, **kw)
+                dq, dkv = B.sparse_mla_backward(dout, q, kv, idx, out, lse, scale, 512, **kw)
                 errs = (rel_err(dq, rdq), rel_err(dkv, rdkv))
         except Exception as e:  # noqa: BLE001 - report every config, then fail
             failures.append(f"{cfg}: {type(e).__name__}: {str(e)[:200]}")
@@ -537,7 +565,7 @@ def test_gpu_indexer_topk_k3():
 @pytest.mark.gpu
 @gpu
 def test_gpu_situ_glu():
-    from lowerings.kernels.situ_glu import situ_glu_bwd, situ_glu_fwd
+    from lowerings.kernels.situ_glu import situ_glu_backward, situ_glu_forward
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(8192, 2 * 1536, generator=gen) * 4).to("cuda", torch.bfloat16)
@@ -545,14 +573,14 @@ def test_gpu_situ_glu():
     xr = x.float().requires_grad_()
     ref = ref_situ_glu(xr)
     ref.backward(dy.float())
-    assert rel_err(situ_glu_fwd(x), ref) <= 1e-2
-    assert rel_err(situ_glu_bwd(dy, x), xr.grad) <= 1e-2
+    assert rel_err(situ_glu_forward(x), ref) <= 1e-2
+    assert rel_err(situ_glu_backward(dy, x), xr.grad) <= 1e-2
 
 
 @pytest.mark.gpu
 @gpu
 def test_gpu_attn_res_mix():
-    from lowerings.kernels.attn_res_mix import attn_res_mix_bwd, attn_res_mix_fwd
+    from lowerings.kernels.attn_res_mix import attn_res_mix_backward, attn_res_mix_forward
 
     N, m, H = 4096, 16, 7168
     gen = torch.Generator().manual_seed(0)
@@ -564,6 +592,6 @@ def test_gpu_attn_res_mix():
     ins = [t.float().requires_grad_() for t in (bank, part, g, w)]
     ref = ref_attn_res_mix(*ins, 1e-6)
     ref.backward(dout.float())
-    assert rel_err(attn_res_mix_fwd(bank, part, g, w, 1e-6), ref) <= 1e-2
-    for got, r in zip(attn_res_mix_bwd(dout, bank, part, g, w, 1e-6), ins):
+    assert rel_err(attn_res_mix_forward(bank, part, g, w, 1e-6), ref) <= 1e-2
+    for got, r in zip(attn_res_mix_backward(dout, bank, part, g, w, 1e-6), ins):
         assert rel_err(got, r.grad) <= 1e-2

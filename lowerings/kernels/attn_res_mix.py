@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attn_res_mix_fwd", "attn_res_mix_bwd"]
+__all__ = ["attn_res_mix_forward", "attn_res_mix_backward"]
 
 _MAX_PROGRAMS = 1024  # backward row groups; fixed so the d_g/d_w reduction order depends only on N
 
@@ -174,7 +174,7 @@ def _blocks(m: int, H: int) -> tuple[int, int, int]:
     return bm, bh, (8 if bm * bh >= 8192 else 4)
 
 
-def attn_res_mix_fwd(bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor,
+def attn_res_mix_forward(bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor,
                      proj_weight: torch.Tensor, eps: float) -> torch.Tensor:
     """out [N, H] in partial's dtype."""
     _check(bank, partial, norm_weight, proj_weight)
@@ -190,14 +190,14 @@ def attn_res_mix_fwd(bank: torch.Tensor, partial: torch.Tensor, norm_weight: tor
     return out
 
 
-def attn_res_mix_bwd(dout: torch.Tensor, bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor,
+def attn_res_mix_backward(dout: torch.Tensor, bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor,
                      proj_weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d_bank [N, m, H], d_partial [N, H], d_norm_weight [H], d_proj_weight [H]), each in its input's dtype."""
     _check(bank, partial, norm_weight, proj_weight)
     N, m, H = bank.shape
     if dout.shape != (N, H):
-        raise ValueError(f"attn_res_mix_bwd: dout must be [N={N}, H={H}], got shape {tuple(dout.shape)}")
+        raise ValueError(f"attn_res_mix_backward: dout must be [N={N}, H={H}], got shape {tuple(dout.shape)}")
     bank, partial, dout = _last_contig(bank), _last_contig(partial), _last_contig(dout)
     gf, wf = norm_weight.float(), proj_weight.float()
     wg = wf * gf

@@ -5,11 +5,17 @@
 
     I(t, s) = sum_h w[t, h] * relu(scale * q[t, h] . k[s])   (fp32), valid for seg_start[t] <= s <= t.
 
-The full [T, T] fp32 score matrix is never allocated: queries are processed in chunks of R rows, with R
-chosen so that one [R, width] fp32 score buffer stays under `mem_cap_bytes` (width = last row of the chunk
-+ 1, i.e. only the causally reachable keys). A Triton kernel fills the buffer (masked entries -inf; tiles
-entirely outside every row's [seg_start, t] window are written as -inf without any math), then
-torch.topk picks each row's keys; they are sorted ascending with -1 in the unused tail slots.
+The full [T, T] score matrix is never allocated: queries are processed in chunks of R rows, with R chosen
+so that one [R, width] buffer stays under `mem_cap_bytes` (width = last row of the chunk + 1, i.e. only the
+causally reachable keys). A Triton kernel fills the buffer, skipping the math for tiles entirely outside
+every row's [seg_start, t] window, then torch.topk picks each row's keys; they are sorted ascending with -1
+in the unused tail slots.
+
+Ties go to the most recent key (docs/ops.md; ReLU scores tie at exactly 0 often). torch.topk does not order
+ties, so the buffer holds int64 sort keys instead of floats: (order-preserving int32 image of the fp32 score)
+<< 32 | key index, with INT64_MIN for masked keys. The largest keys are then exactly the highest scores,
+most recent first among equal scores, and the index is read back from the low 32 bits. (-0.0 is folded into
++0.0 first so signed zeros tie.) indexer_scores can also write plain fp32 scores, for tests and debugging.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ def _indexer_scores_kernel(
     stride_qt, stride_qh, stride_kt, stride_wt, stride_wh, stride_or,
     row0, n_rows, width, HI, D, scale,
     BLOCK_M: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SORT_KEYS: tl.constexpr,
 ):
     # One program: BLOCK_M query rows x BLOCK_N keys. The BLOCK_M * BLOCK_HI (query, head) pairs form the
     # MMA M dimension (64 heads x 2 rows = 128), so the head reduction is a reshape + sum after the dot.
@@ -83,8 +89,17 @@ def _indexer_scores_kernel(
         sc = tl.sum(tl.reshape(s, [BLOCK_M, BLOCK_HI, BLOCK_N]), 1)
         valid = (offs_n[None, :] >= seg[:, None]) & (offs_n[None, :] <= t[:, None])
         score = tl.where(valid, sc, float("-inf"))
-    tl.store(OUT + offs_m.to(tl.int64)[:, None] * stride_or + offs_n[None, :], score,
-             mask=m_ok[:, None] & (offs_n < width)[None, :])
+    out_ptr = OUT + offs_m.to(tl.int64)[:, None] * stride_or + offs_n[None, :]
+    out_mask = m_ok[:, None] & (offs_n < width)[None, :]
+    if SORT_KEYS:
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: reverse magnitude order
+        key = (ordered.to(tl.int64) << 32) | offs_n.to(tl.int64)[None, :]
+        key = tl.where(score == float("-inf"), -9223372036854775807 - 1, key)  # masked: INT64_MIN
+        tl.store(out_ptr, key, mask=out_mask)
+    else:
+        tl.store(out_ptr, score, mask=out_mask)
 
 
 def default_scores_config(HI: int, on_gpu: bool = True) -> dict:
@@ -138,18 +153,21 @@ def indexer_scores(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, scale: float,
     row0: int, n_rows: int, out: torch.Tensor, *, config: dict | None = None,
 ) -> torch.Tensor:
-    """Fill out[:n_rows, :width] (fp32, width = row0 + n_rows) with the masked scores of rows
-    row0 .. row0 + n_rows - 1. `out` may be a strided view (unit stride along keys)."""
+    """Fill out[:n_rows, :width] (width = row0 + n_rows) for rows row0 .. row0 + n_rows - 1: fp32 `out` gets
+    the masked scores (-inf outside the window), int64 `out` the tie-breaking sort keys (INT64_MIN outside).
+    `out` may be a strided view (unit stride along keys)."""
     T, HI, D = q.shape
     width = row0 + n_rows
-    if out.dim() != 2 or out.shape[0] < n_rows or out.shape[1] < width or out.stride(1) != 1:
-        raise ValueError(f"indexer_scores: out must be fp32 [>= {n_rows}, >= {width}] with unit key stride")
+    if (out.dim() != 2 or out.shape[0] < n_rows or out.shape[1] < width or out.stride(1) != 1
+            or out.dtype not in (torch.float32, torch.int64)):
+        raise ValueError(f"indexer_scores: out must be fp32 or int64 [>= {n_rows}, >= {width}] with unit key "
+                         f"stride, got {out.dtype} {tuple(out.shape)}")
     args = (q, k, w, seg_start, out,
             q.stride(0), q.stride(1), k.stride(0), w.stride(0), w.stride(1), out.stride(0),
             row0, n_rows, width, HI, D, float(scale))
     meta = dict(BLOCK_HI=_next_pow2(max(HI, 1)), BLOCK_D=_next_pow2(max(D, 16)),
                 DOT_PREC="ieee" if q.dtype == torch.float32 or _interpreting() else "tf32",
-                UPCAST=_interpreting() and q.dtype != torch.float32)
+                UPCAST=_interpreting() and q.dtype != torch.float32, SORT_KEYS=out.dtype == torch.int64)
     use_tune = (config is None and q.is_cuda and not _interpreting()
                 and os.environ.get("TITAN_KIMI_TRITON_AUTOTUNE", "1") != "0")
     if use_tune:
@@ -176,8 +194,8 @@ def indexer_topk(
 ) -> torch.Tensor:
     """Indexer top-k: idx [T, min(topk, T)] int32, each row's chosen keys ascending, -1 in unused slots.
 
-    Rows with <= topk valid keys return all of them. `mem_cap_bytes` bounds the fp32 score buffer of one
-    row chunk (torch.topk needs extra workspace on top of that)."""
+    Rows with <= topk valid keys return all of them; among equal scores the most recent key wins.
+    `mem_cap_bytes` bounds the int64 key buffer of one row chunk (torch.topk needs workspace on top)."""
     _check(q, k, w, seg_start, topk)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -187,15 +205,16 @@ def indexer_topk(
     idx = torch.full((T, kk), -1, dtype=torch.int32, device=q.device)
     if T == 0:
         return idx
-    rows = max(1, min(T, int(mem_cap_bytes) // (4 * T)))
-    buf = torch.empty(rows, T, dtype=torch.float32, device=q.device)
+    rows = max(1, min(T, int(mem_cap_bytes) // (8 * T)))
+    buf = torch.empty(rows, T, dtype=torch.int64, device=q.device)
+    masked = torch.iinfo(torch.int64).min
     for r0 in range(0, T, rows):
         n = min(rows, T - r0)
         width = r0 + n
-        sc = indexer_scores(q, k, w, seg_start, scale, r0, n, buf[:n, :width], config=config)
+        keys = indexer_scores(q, k, w, seg_start, scale, r0, n, buf[:n, :width], config=config)
         kc = min(kk, width)
-        vals, sel = torch.topk(sc, kc, dim=1, sorted=False)
-        # -inf picks are masked keys (row has fewer than kc valid): push them past every real index.
-        sel = torch.where(torch.isneginf(vals), width, sel).sort(dim=1).values
+        top = torch.topk(keys, kc, dim=1, sorted=False).values
+        # masked picks (row has fewer than kc valid keys) go past every real index, then become -1
+        sel = torch.where(top == masked, width, top & 0xFFFFFFFF).sort(dim=1).values
         idx[r0:width, :kc] = torch.where(sel == width, -1, sel).to(torch.int32)
     return idx

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["situ_glu_fwd", "situ_glu_bwd"]
+__all__ = ["situ_glu_forward", "situ_glu_backward"]
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
@@ -103,7 +103,7 @@ def _check(gate_up: torch.Tensor) -> int:
     return gate_up.shape[-1] // 2
 
 
-def situ_glu_fwd(gate_up: torch.Tensor, beta: float = 4.0, beta_lin: float = 25.0) -> torch.Tensor:
+def situ_glu_forward(gate_up: torch.Tensor, beta: float = 4.0, beta_lin: float = 25.0) -> torch.Tensor:
     """y [..., F] in gate_up's dtype."""
     F = _check(gate_up)
     x = _rows(gate_up)
@@ -116,11 +116,11 @@ def situ_glu_fwd(gate_up: torch.Tensor, beta: float = 4.0, beta_lin: float = 25.
     return y
 
 
-def situ_glu_bwd(dy: torch.Tensor, gate_up: torch.Tensor, beta: float = 4.0, beta_lin: float = 25.0) -> torch.Tensor:
+def situ_glu_backward(dy: torch.Tensor, gate_up: torch.Tensor, beta: float = 4.0, beta_lin: float = 25.0) -> torch.Tensor:
     """d(gate_up) [..., 2F] in gate_up's dtype."""
     F = _check(gate_up)
     if dy.shape != (*gate_up.shape[:-1], F):
-        raise ValueError(f"situ_glu_bwd: dy must be {(*gate_up.shape[:-1], F)}, got {tuple(dy.shape)}")
+        raise ValueError(f"situ_glu_backward: dy must be {(*gate_up.shape[:-1], F)}, got {tuple(dy.shape)}")
     x = _rows(gate_up)
     d = _rows(dy)
     dx = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)

@@ -1,7 +1,7 @@
 """Sparse MLA backward in the absorbed latent form (docs/ops.md, op `sparse_mla`), in Triton.
 
 Given q [T, H, Dqk], kv [S_kv, Dqk], idx [T, k] int32, out [T, H, d_v], dout [T, H, d_v], lse [T, H] fp32
-(natural log, from sparse_mla_fwd) -> dq [T, H, Dqk] (dtype of q), dkv [S_kv, Dqk] (dtype of kv).
+(natural log, from sparse_mla_forward) -> dq [T, H, Dqk] (dtype of q), dkv [S_kv, Dqk] (dtype of kv).
 
 0. delta[t, h] = sum_d dout * out (fp32), a small Triton kernel (no fp32 copy of [T, H, d_v]).
 1. dQ kernel, grid (token, head block), keys-major like the forward (S^T = KV @ Q^T, M = keys):
@@ -41,7 +41,7 @@ from .sparse_mla_fwd import (
 )
 
 __all__ = [
-    "sparse_mla_bwd",
+    "sparse_mla_backward",
     "sparse_mla_bwd_preprocess",
     "dq_configs",
     "dkv_configs",
@@ -271,12 +271,12 @@ def _key(cfgs: list[dict]) -> tuple:
 # entry point
 
 
-def sparse_mla_bwd(
+def sparse_mla_backward(
+    dout: torch.Tensor,
     q: torch.Tensor,
     kv: torch.Tensor,
     idx: torch.Tensor,
     out: torch.Tensor,
-    dout: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
     d_v: int = 512,

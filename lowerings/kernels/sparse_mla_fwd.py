@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["sparse_mla_fwd", "fwd_configs", "default_fwd_config", "row_extent"]
+__all__ = ["sparse_mla_forward", "fwd_configs", "default_fwd_config", "row_extent"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def _autotuned_fwd(cfg_key: tuple):
 # entry point
 
 
-def sparse_mla_fwd(
+def sparse_mla_forward(
     q: torch.Tensor,
     kv: torch.Tensor,
     idx: torch.Tensor,
