@@ -159,7 +159,7 @@ def bench_sparse_mla(T: int, args, refs, rows: list) -> None:
         rows.append(_row("sparse_mla", "torch", "fwd", T, None, 0, 0, "skip (memory)" if not args.no_ref else "skip"))
         rows.append(_row("sparse_mla", "torch", "bwd", T, None, 0, 0, "skip (memory)" if not args.no_ref else "skip"))
         return
-    del out, lse
+    out = lse = None  # free the Triton outputs before the (large) reference
     torch.cuda.empty_cache()
     r, err = _try(lambda: time_cuda(lambda: refs.ref_sparse_mla(q, kv, idx, MLA_SCALE, D_V), args.warmup, args.reps))
     rows.append(_row("sparse_mla", "torch", "fwd", T, r, f_fwd, b_fwd, err))

@@ -70,7 +70,7 @@ def _delta_kernel(OUT, DO, DELTA, stride_ot, stride_oh, stride_dt, stride_dh, st
 def sparse_mla_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """delta [T, H] fp32 = rowsum(dout * out)."""
     if out.shape != dout.shape or out.dim() != 3:
-        raise ValueError(f"sparse_mla_bwd: out {tuple(out.shape)} and dout {tuple(dout.shape)} must match [T,H,d_v]")
+        raise ValueError(f"sparse_mla_backward: out {tuple(out.shape)} and dout {tuple(dout.shape)} must match [T,H,d_v]")
     out = out if out.stride(-1) == 1 else out.contiguous()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     T, H, d_v = out.shape
@@ -293,9 +293,9 @@ def sparse_mla_backward(
     check_sparse_mla_inputs(q, kv, idx, d_v)
     T, H, D = q.shape
     if out.shape != (T, H, d_v) or dout.shape != (T, H, d_v):
-        raise ValueError(f"sparse_mla_bwd: out {tuple(out.shape)} / dout {tuple(dout.shape)} must be {(T, H, d_v)}")
+        raise ValueError(f"sparse_mla_backward: out {tuple(out.shape)} / dout {tuple(dout.shape)} must be {(T, H, d_v)}")
     if lse.shape != (T, H) or lse.dtype != torch.float32:
-        raise ValueError(f"sparse_mla_bwd: lse must be fp32 {(T, H)}, got {lse.dtype} {tuple(lse.shape)}")
+        raise ValueError(f"sparse_mla_backward: lse must be fp32 {(T, H)}, got {lse.dtype} {tuple(lse.shape)}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
