@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from lowerings.ops import configure_backends
-from titan_kimi.config import load_job_config, to_toml
+from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX, build_dataloader
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, init_distributed, pick_device
@@ -29,6 +29,8 @@ from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_
 from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("titan_kimi")
+
+FULL_INIT_BYTES = 16 * 2**30  # fp32 size up to which every rank initialises the whole model (see _build_model)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -88,24 +90,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> KimiK3Model:
+        """Initialise, then parallelise. Models up to FULL_INIT_BYTES are initialised whole on every rank from
+        the same seed before sharding, so any layout starts from the same weights as one process; larger ones
+        are initialised shard by shard (same distribution, different draws)."""
         cfg = self.cfg
         model = build_meta_model(self.args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer)
+        full_init = count_params(model).total * 4 <= FULL_INIT_BYTES
+        if full_init:
+            self._materialize(model)
+        distributed = self.env.launched and self.env.world_size > 1
         self.autocast_dtype = None
-        if self.env.launched and self.env.world_size > 1:
+        if distributed:
             from titan_kimi.parallel.parallelize import parallelize
 
             parallelize(model, cfg, self.layout, self.device)
-            model.to_empty(device=self.device)
         else:
             from titan_kimi.parallel.parallelize import apply_single_device
 
-            model.to_empty(device=self.device)
             self.autocast_dtype = apply_single_device(model, cfg)
-        # Every rank draws the same initial weights (same seed); FSDP shards keep their part.
-        torch.manual_seed(cfg.job.seed)
-        model.init_weights()
+        if not full_init:
+            self._materialize(model)
         model.train()
         return model
+
+    def _materialize(self, model: KimiK3Model) -> None:
+        model.to_empty(device=self.device)
+        torch.manual_seed(self.cfg.job.seed)
+        model.init_weights()
 
     def _build_dataloader(self, dataset: str, path: str, *, seed: int):
         if dataset == "medpix":
@@ -226,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(env.rank)
     args = model_args_from_config(cfg)
     world_size = cfg.job.world_size or env.world_size
+    if not cfg.job.world_size and "WORLD_SIZE" not in os.environ:
+        validate_job_config(cfg, launcher_world_size=world_size)  # a plain process: check against 1 rank
     layout = resolve_layout(cfg.parallelism, world_size, args)
     if cfg.job.print_config and env.is_main and not cfg.job.dry_run:
         print(to_toml(cfg))
@@ -233,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         if env.is_main:
             dry_run(cfg, args, layout)
         return 0
+    reject_unbuilt(layout)
     if world_size != env.world_size:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
-    reject_unbuilt(layout)
     resolved = configure_backends({op: getattr(cfg.kernels, op) for op in
                                    ("kda", "indexer", "sparse_mla", "situ_glu", "attn_res_mix")})
     logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))

@@ -26,6 +26,11 @@ class DecayParams(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_heads))
         self.dt_bias = nn.Parameter(torch.empty(channels))
 
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Read through forward so FSDP2 gathers the shards; copies, because FSDP2 frees the gathered
+        # parameters when this forward returns (they are tiny: H + H*d values).
+        return self.A_log.clone(), self.dt_bias.clone()
+
     def init_weights(self) -> None:
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
@@ -71,14 +76,15 @@ class KimiDeltaAttention(nn.Module):
         v = self.v_conv1d(self.v_proj(x), seq.pos_in_seg).view(B, S, H, d)
         u = self.f_b_proj(self.f_a_proj(x)).view(B, S, H, d)
         beta = torch.sigmoid(self.b_proj(x).float())
+        A_log, dt_bias = self.decay()
         if seq.packed:
             # Packed documents run as one varlen sequence; the op resets the state at every cu_seqlens entry.
             q, k, v, u, beta = (t.reshape(1, B * S, *t.shape[2:]) for t in (q, k, v, u, beta))
         o, _ = ops.kda(
             q, k, v, u, beta,
             scale=1.0 / math.sqrt(d),
-            A_log=self.decay.A_log,
-            dt_bias=self.decay.dt_bias,
+            A_log=A_log,
+            dt_bias=dt_bias,
             lower_bound=self.lower_bound,
             cu_seqlens=seq.cu_seqlens,
             l2norm_qk=True,
