@@ -276,6 +276,24 @@ def test_sparse_mla_shapes(ik, H, d_v, d_r):
     assert_lse_close(lse, rl, 1e-5)
 
 
+@pytest.mark.parametrize("fwd_cfg,dq_cfg,dkv_cfg", [
+    (dict(BLOCK_H=32, BLOCK_N=32, KEYS_MAJOR=True, num_warps=4, num_stages=1),
+     dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=1), dict(BLOCK_N=32, BLOCK_D=64, num_warps=4, num_stages=1)),
+    (dict(BLOCK_H=16, BLOCK_N=64, KEYS_MAJOR=False, num_warps=4, num_stages=1),
+     dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=1), dict(BLOCK_N=64, BLOCK_D=16, num_warps=4, num_stages=1)),
+])
+def test_sparse_mla_other_tilings(ik, fwd_cfg, dq_cfg, dkv_cfg):
+    """Tile sizes that do not divide k (20) or the head count, and more column blocks than Dqk needs."""
+    q, kv, idx = _sparse_inputs(seed=7)
+    dout = torch.randn(24, 3, DV, generator=torch.Generator().manual_seed(8))
+    out, lse = ik.sparse_mla_fwd.sparse_mla_forward(q, kv, idx, 0.125, DV, config=fwd_cfg)
+    dq, dkv = ik.sparse_mla_bwd.sparse_mla_backward(dout, q, kv, idx, out, lse, 0.125, DV,
+                                                    dq_config=dq_cfg, dkv_config=dkv_cfg)
+    ro, rl, rdq, rdkv = ref_sparse_mla_grads(q, kv, idx, 0.125, DV, dout)
+    assert rel_err(out, ro) < 1e-5 and rel_err(dq, rdq) < 1e-5 and rel_err(dkv, rdkv) < 1e-5
+    assert_lse_close(lse, rl, 1e-5)
+
+
 def test_sparse_mla_rejects_bad_inputs(ik):
     q, kv, idx = _sparse_inputs(T=8, k=4)
     f = ik.sparse_mla_fwd.sparse_mla_forward
