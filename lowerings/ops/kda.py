@@ -2,6 +2,8 @@
 
 FLA disables dynamo on its KDA entry points on purpose, so the op boundary is what keeps a compiled KDA
 block in one graph. Forward and backward are separate ops whose bodies dispatch to the selected backend.
+The forward also returns the backend's residuals (what its backward needs besides the inputs): none for the
+reference, which recomputes, and FLA's saved intermediates for ``fla``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ BACKENDS.add("fla", all_of(cuda_available, module_available("fla")), auto_rank=0
 _EMPTY = (0,)
 
 
+def _use_fla(q: torch.Tensor) -> bool:
+    return selected_backend("kda") == "fla" and q.is_cuda
+
+
 def _num_sequences(q: torch.Tensor, cu_seqlens: torch.Tensor | None):
     return cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+
+
+def _final_state_shape(q, v, cu_seqlens, output_final_state):
+    return (_num_sequences(q, cu_seqlens), *q.shape[2:], v.shape[-1]) if output_final_state else _EMPTY
 
 
 def _differentiable_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state):
@@ -40,8 +50,7 @@ def _reference_backward(
     inputs = _differentiable_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state)
     with torch.enable_grad():
         _, vjp = torch.func.vjp(forward, *inputs)
-    grads = list(vjp((d_o, d_final)))
-    return grads
+    return [x.contiguous() for x in vjp((d_o, d_final))]
 
 
 @torch.library.custom_op("titan_kimi::kda", mutates_args=())
@@ -59,20 +68,25 @@ def kda_op(
     initial_state: Optional[torch.Tensor],
     output_final_state: bool,
     l2norm_qk: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     args = (q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk)
-    if selected_backend("kda") == "fla" and q.is_cuda:
+    if _use_fla(q):
         from lowerings.kernels.fla_kda import fla_kda_forward
 
         return fla_kda_forward(*args)
-    return kda_reference(*args)
+    o, final = kda_reference(*args)
+    return o, final, []
 
 
 @kda_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk):
-    shape = (_num_sequences(q, cu_seqlens), *q.shape[2:], v.shape[-1]) if output_final_state else _EMPTY
-    final = q.new_empty(shape, dtype=torch.float32)
-    return torch.empty_like(v), final
+    final = q.new_empty(_final_state_shape(q, v, cu_seqlens, output_final_state), dtype=torch.float32)
+    residuals = []
+    if _use_fla(q):
+        from lowerings.kernels.fla_kda import residual_shapes
+
+        residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in residual_shapes(q)]
+    return torch.empty_like(v), final, residuals
 
 
 @torch.library.custom_op("titan_kimi::kda_backward", mutates_args=())
@@ -92,40 +106,42 @@ def kda_backward_op(
     initial_state: Optional[torch.Tensor],
     output_final_state: bool,
     l2norm_qk: bool,
+    residuals: list[torch.Tensor],
 ) -> list[torch.Tensor]:
     """Gradients for (q, k, v, g, beta) followed by those of the optional inputs that are present."""
-    args = (d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk)
-    if selected_backend("kda") == "fla" and q.is_cuda:
+    args = (d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state,
+            output_final_state, l2norm_qk)
+    if _use_fla(q):
         from lowerings.kernels.fla_kda import fla_kda_backward
 
-        return fla_kda_backward(*args)
-    return [x.contiguous() for x in _reference_backward(*args)]
+        return fla_kda_backward(*args, residuals)
+    return _reference_backward(*args)
 
 
 @kda_backward_op.register_fake
-def _(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk):
+def _(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state,
+      output_final_state, l2norm_qk, residuals):
     return [torch.empty_like(x) for x in _differentiable_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state)]
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk = inputs
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state)
+    _, _, residuals = output
+    ctx.num_residuals = len(residuals)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, *residuals)
     ctx.static = (lower_bound, scale, output_final_state, l2norm_qk)
 
 
-def _backward(ctx, d_o, d_final):
-    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state = ctx.saved_tensors
+def _backward(ctx, d_o, d_final, _d_residuals):
+    q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, *residuals = ctx.saved_tensors
     lower_bound, scale, output_final_state, l2norm_qk = ctx.static
     if d_o is None:
         d_o = torch.zeros_like(v)
     if d_final is None:
-        shape = (_num_sequences(q, cu_seqlens), *q.shape[2:], v.shape[-1]) if output_final_state else _EMPTY
-        d_final = torch.zeros(shape, dtype=torch.float32, device=q.device)
-    grads = iter(
-        kda_backward_op(
-            d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk
-        )
-    )
+        d_final = torch.zeros(_final_state_shape(q, v, cu_seqlens, output_final_state), dtype=torch.float32,
+                              device=q.device)
+    grads = iter(kda_backward_op(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens,
+                                 initial_state, output_final_state, l2norm_qk, residuals))
     dq, dk, dv, dg, dbeta = (next(grads) for _ in range(5))
     dA = next(grads) if A_log is not None else None
     ddt = next(grads) if dt_bias is not None else None
@@ -160,7 +176,7 @@ def kda(
             f"kda shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
             f"beta {tuple(beta.shape)}; expected q = k = g = [B,T,H,K], v = [B,T,H,V], beta = [B,T,H]"
         )
-    o, final = kda_op(
+    o, final, _ = kda_op(
         q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk
     )
     return o, (final if output_final_state else None)

@@ -1,0 +1,86 @@
+"""Adapter from the ``titan_kimi::kda`` op contract to FLA 0.6.0's chunked KDA kernels (wrapped, not rewritten).
+
+The forward keeps what FLA's own autograd Function saves (normalised q/k with their inverse norms and the
+intra-chunk matrices Aqk/Akk) and hands it to the op as residuals, so the backward runs FLA's backward
+without recomputing the forward. The gate is computed inside FLA's kernels (``use_gate_in_kernel``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64
+
+
+def _chunk_indices(cu_seqlens: torch.Tensor | None):
+    if cu_seqlens is None:
+        return None, None
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    cu = cu_seqlens.long()
+    cu_cpu = cu.cpu()  # one small host copy instead of FLA syncing inside several kernels
+    return cu, prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu)
+
+
+def _safe_gate(lower_bound):
+    # FLA's faster M=16 path needs the gate bounded in [lower_bound, 0) with lower_bound >= -5 (K3: -5).
+    return lower_bound is not None and -5.0 <= lower_bound < 0
+
+
+def residual_shapes(q: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shapes and dtypes of the residuals the forward returns (for the op's fake implementation)."""
+    B, T, H, K = q.shape
+    rows = B * T * H
+    return [(q.shape, q.dtype), ((rows,), torch.float32), (q.shape, q.dtype), ((rows,), torch.float32),
+            ((B, T, H, CHUNK), q.dtype), ((B, T, H, CHUNK), q.dtype)]
+
+
+def fla_kda_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state,
+                    output_final_state, l2norm_qk):
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+
+    if not l2norm_qk or A_log is None:
+        raise ValueError(
+            f"the fla kda backend runs the K3 configuration (l2norm_qk=True and the gate computed in the kernel "
+            f"from A_log); got l2norm_qk={l2norm_qk}, A_log given={A_log is not None}"
+        )
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    q_n, q_rstd = l2norm_fwd(q)
+    k_n, k_rstd = l2norm_fwd(k)
+    cu, chunk_indices = _chunk_indices(cu_seqlens)
+    o, final, _, Aqk, Akk, *_ = chunk_kda_fwd(
+        q=q_n, k=k_n, v=v, g=g, beta=beta.float(), scale=scale,
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
+        chunk_indices=chunk_indices, chunk_size=CHUNK, safe_gate=_safe_gate(lower_bound), lower_bound=lower_bound,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, disable_recompute=False,
+    )
+    if final is None:
+        final = q.new_zeros(0, dtype=torch.float32)
+    return o.to(v.dtype), final, [q_n, q_rstd, k_n, k_rstd, Aqk, Akk]
+
+
+def fla_kda_backward(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens,
+                     initial_state, output_final_state, l2norm_qk, residuals):
+    from fla.modules.norm.l2norm import l2norm_bwd
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+
+    q_n, q_rstd, k_n, k_rstd, Aqk, Akk = residuals
+    cu, chunk_indices = _chunk_indices(cu_seqlens)
+    dq, dk, dv, db, dg, dh0, dA, dbias = chunk_kda_bwd(
+        q=q_n, k=k_n, v=v.contiguous(), beta=beta.float().contiguous(), Aqk=Aqk, Akk=Akk, scale=scale,
+        initial_state=initial_state, do=d_o.contiguous(), dht=d_final if output_final_state else None,
+        g=None, g_org=g.contiguous(), cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=CHUNK,
+        safe_gate=_safe_gate(lower_bound), lower_bound=lower_bound, use_gate_in_kernel=True,
+        A_log=A_log, dt_bias=dt_bias, disable_recompute=False,
+    )
+    dq = l2norm_bwd(q_n, q_rstd, dq)
+    dk = l2norm_bwd(k_n, k_rstd, dk)
+    grads = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype)]
+    if A_log is not None:
+        grads.append(dA.to(A_log.dtype))
+    if dt_bias is not None:
+        grads.append(dbias.to(dt_bias.dtype))
+    if initial_state is not None:
+        grads.append(dh0.to(initial_state.dtype))
+    return grads
