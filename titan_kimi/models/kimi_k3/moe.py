@@ -78,13 +78,29 @@ class GroupedExperts(nn.Module):
         # grouped_mm is not autocast-aware: follow the activations' dtype (a no-op under FSDP mixed precision).
         w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offsets)
+        matmul = _grouped_mm if x.dtype == torch.bfloat16 or not torch.compiler.is_compiling() else _masked_mm
+        h = matmul(x, w13.transpose(-2, -1), offsets)
         h = ops.situ_glu(h, self.beta, self.beta_lin)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        return matmul(h, w2.transpose(-2, -1), offsets)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.w13, mean=0.0, std=self.init_std)
         nn.init.normal_(self.w2, mean=0.0, std=self.init_std)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def _masked_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM for dtypes the compiled grouped_mm rejects (fp32 debug runs): every expert multiplies
+    every row and each row keeps its own expert's result. E times the work, but static shapes."""
+    expert_of_row = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype),
+                                       right=True)
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    for e in range(w.shape[0]):
+        out = torch.where((expert_of_row == e).unsqueeze(1), x @ w[e], out)
+    return out
 
 
 def _padded_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert):
