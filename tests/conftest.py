@@ -1,7 +1,17 @@
-"""Shared test setup: GPU tests skip without CUDA; CPU runs stay single-threaded enough for 2 cores."""
+"""Shared test setup: GPU tests skip without CUDA.
+
+Without CUDA, Triton runs in its interpreter for the whole session. The variable must be set before the
+first ``import triton`` (Triton's own language library is decorated at import time), and other tests import
+Triton indirectly (torch.library.opcheck, Inductor), so it is set here, before any test module loads.
+"""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
