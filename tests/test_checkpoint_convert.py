@@ -1,0 +1,114 @@
+"""scripts/convert_checkpoint.py: HF -> DCP -> HF, from a training checkpoint, and its errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_checkpoint_hf import VISION, build_model, empty_like_model, hf_layout, read_all, write_hf
+from titan_kimi.checkpoint import CheckpointManager, checkpoint_format, load_hf_checkpoint, load_model_weights
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "convert_checkpoint.py"
+_spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
+convert = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(convert)
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_hf_to_dcp_to_hf_round_trip(tmp_path, capsys):
+    reference = build_model("k31_debug", seed=31)
+    source = write_hf(tmp_path / "hf", hf_layout(reference, mxfp4=True), reference.args)
+    assert convert.main(["hf-to-dcp", str(source), str(tmp_path / "dcp")]) == 0  # args from config.json
+    assert "hf-to-dcp" in capsys.readouterr().err  # the progress bar
+    assert checkpoint_format(tmp_path / "dcp") == "dcp"
+    model = empty_like_model(reference)
+    assert load_model_weights(model, tmp_path / "dcp") == "dcp"
+    assert_same_state(model, reference)  # MXFP4 experts dequantised exactly
+
+    out = tmp_path / "hf2"
+    assert convert.main(["dcp-to-hf", str(tmp_path / "dcp"), str(out), "--hf-config", str(source / "config.json"),
+                         "--max-shard-size", "100KB", "--quiet"]) == 0
+    assert json.loads((out / "config.json").read_text())["vision_config"] == {"hidden_size": 8}
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    again = empty_like_model(reference)
+    load_hf_checkpoint(again, out)
+    assert_same_state(again, reference)
+
+
+def test_bf16_checkpoint_survives_hf_dcp_hf_bit_exactly(tmp_path):
+    reference = build_model("k3_debug", seed=32)
+    source = write_hf(tmp_path / "hf", hf_layout(reference, mxfp4=False), reference.args)
+    assert convert.main(["hf-to-dcp", str(source), str(tmp_path / "dcp"), "--flavor", "k3_debug", "--quiet"]) == 0
+    assert convert.main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "out"), "--flavor", "k3_debug",
+                         "--quiet"]) == 0
+    original, exported = read_all(source), read_all(tmp_path / "out")
+    for key in VISION:
+        original.pop(key)
+    assert original.keys() == exported.keys()
+    assert all(exported[k].dtype == original[k].dtype and torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_export_from_a_training_checkpoint_folder(tmp_path, capsys):
+    reference = build_model("k3_debug", seed=33)
+    ckpt = CheckpointManager(tmp_path / "ckpt", interval=1)
+    ckpt.save(5, {"model": reference, "train": {"step": 5}})
+    ckpt.save(7, {"model": reference, "train": {"step": 7}})
+    out = tmp_path / "hf"
+    assert convert.main(["dcp-to-hf", str(tmp_path / "ckpt"), str(out), "--flavor", "k3_debug", "--mxfp4-experts",
+                         "--fp32-params-dtype", "float32", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "using the latest step" in err and "step-7" in err
+    tensors = read_all(out)
+    assert tensors["language_model.model.layers.0.self_attn.dt_bias"].dtype == torch.float32
+    assert "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale" in tensors
+    model = empty_like_model(reference)
+    load_hf_checkpoint(model, out)
+    for key, value in model.state_dict().items():
+        if "experts" not in key:  # experts went through MXFP4: lossy
+            assert torch.equal(value, reference.state_dict()[key]), key
+
+
+def test_errors_exit_2_with_a_message(tmp_path, capsys):
+    reference = build_model("k3_debug", seed=34)
+    source = write_hf(tmp_path / "hf", hf_layout(reference, mxfp4=True), reference.args)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("taken")
+
+    def fails(argv, message):
+        assert convert.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "convert_checkpoint: error:" in err and message in err, err
+
+    fails(["hf-to-dcp", str(source), str(tmp_path / "out"), "--quiet"], "already exists")
+    fails(["hf-to-dcp", str(source), str(tmp_path / "d"), "--flavor", "k31_debug", "--quiet"],
+          "needed by model key 'layers.3.attention.indexer.wq_b.weight' is missing")
+    assert not (tmp_path / "d").exists() and not (tmp_path / ".d.tmp").exists()  # nothing half-written
+    fails(["dcp-to-hf", str(tmp_path / "hf"), str(tmp_path / "x")], "needs the model args")
+    fails(["dcp-to-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--flavor", "k3_debug"], "holds no complete step-N")
+    assert convert.main(["hf-to-dcp", str(source), str(tmp_path / "dcp"), "--quiet"]) == 0
+    fails(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "k31_debug"],
+          "does not match the model args")
+    fails(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "nope"], "unknown model flavor")
+
+
+def test_size_parsing():
+    assert convert.parse_size("5GB") == 5 * 10**9 and convert.parse_size("2GiB") == 2 * 2**30
+    assert convert.parse_size("1024") == 1024 and convert.parse_size("1.5 MB") == 1_500_000
+    with pytest.raises(Exception, match="invalid size"):
+        convert.parse_size("lots")
+
+
+def test_initial_weights_format_detection(tmp_path):
+    (tmp_path / "ckpt" / "step-3").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-3" / ".metadata").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"holds DCP steps \['step-3'\]: pass one of them"):
+        checkpoint_format(tmp_path / "ckpt")

@@ -1,0 +1,190 @@
+"""Offline conversion between the HF layout and a model-only DCP checkpoint, one tensor at a time.
+
+Neither direction builds the model in memory: shapes come from a meta-device model, and each tensor is
+materialised only while it is written (HF -> DCP: when DCP asks for it; DCP -> HF: in batches of at most
+one shard). The DCP side holds ``{"model": {fqn: tensor}}``, the same layout ``CheckpointManager`` saves, so a
+converted folder can serve as ``checkpoint.initial_load_path`` or be exported from a training checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from titan_kimi.checkpoint.destinations import Destination
+from titan_kimi.checkpoint.hf_config import MXFP4_QUANTIZATION_CONFIG, hf_config, model_args_from_hf
+from titan_kimi.checkpoint.hf_export import dtype_name, hf_tensors_for
+from titan_kimi.checkpoint.hf_index import HFCheckpoint
+from titan_kimi.checkpoint.hf_load import execute_reads, expected_hf_keys
+from titan_kimi.checkpoint.hf_plan import LoadPlan, Read, plan_load
+from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWriter
+from titan_kimi.checkpoint.manager import quiet_single_process
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.init import fp32_parameter_names
+from titan_kimi.models.kimi_k3.model import KimiK3Model
+
+MODEL_KEY = "model"
+Progress = Callable[[int, int], None]
+
+
+def model_tensor_specs(args: KimiK3ModelArgs, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``{fqn: meta tensor}`` of the full model in its training dtypes (fp32 where the model keeps fp32)."""
+    with torch.device("meta"):
+        model = KimiK3Model(args)
+    fp32 = fp32_parameter_names(model)
+    specs = {
+        fqn: torch.empty(t.shape, dtype=torch.float32 if fqn in fp32 else dtype, device="meta")
+        for fqn, t in model.state_dict().items()
+    }
+    return specs, fp32
+
+
+class _HFSourcePlanner(DefaultSavePlanner):
+    """Hands DCP each model tensor only when it is written, read from the HF shards at that moment."""
+
+    def __init__(self, ckpt: HFCheckpoint, plan: LoadPlan, specs: dict[str, torch.Tensor], progress: Progress | None):
+        super().__init__()
+        self.ckpt, self.specs, self.progress = ckpt, specs, progress
+        self.reads: dict[str, list[Read]] = defaultdict(list)
+        for read in plan.reads:
+            self.reads[read.fqn].append(read)
+        self.done = 0
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        fqn = write_item.index.fqn.removeprefix(MODEL_KEY + ".")
+        spec = self.specs[fqn]
+        tensor = torch.empty(spec.shape, dtype=spec.dtype)
+        execute_reads(self.ckpt, self.reads[fqn], {fqn: tensor})
+        self.done += 1
+        if self.progress is not None:
+            self.progress(self.done, len(self.specs))
+        return tensor
+
+
+def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
+    if out.exists():
+        if not overwrite:
+            raise ValueError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def hf_to_dcp(
+    hf_path: str | Path,
+    out_path: str | Path,
+    *,
+    args: KimiK3ModelArgs | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Convert an HF folder (MXFP4 experts dequantised) into a model-only DCP checkpoint at ``out_path``."""
+    out = Path(out_path)
+    if out.exists() and not overwrite:
+        raise ValueError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+    args = args if args is not None else model_args_from_hf(hf_path)
+    specs, fp32 = model_tensor_specs(args, dtype)
+    destinations = [Destination(fqn, t, tuple(t.shape), (0,) * t.dim()) for fqn, t in specs.items()]
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with HFCheckpoint(hf_path) as ckpt:
+        plan = plan_load(ckpt, destinations, fp32_names=fp32, expected_keys=expected_hf_keys(args), strict=True)
+        try:
+            with quiet_single_process():
+                dcp.save(
+                    {MODEL_KEY: specs},
+                    storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=True, thread_count=1),
+                    planner=_HFSourcePlanner(ckpt, plan, specs, progress),
+                )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    _replace_dir(tmp, out, overwrite)
+    return out
+
+
+def _dcp_model_metadata(dcp_path: Path, specs: dict[str, torch.Tensor]) -> dict[str, TensorStorageMetadata]:
+    if not (dcp_path / ".metadata").is_file():
+        raise ValueError(f"{str(dcp_path)!r} is not a DCP checkpoint folder (no .metadata); pass a step-N folder")
+    saved = FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
+    found, errors = {}, []
+    for fqn, spec in specs.items():
+        meta = saved.get(f"{MODEL_KEY}.{fqn}")
+        if not isinstance(meta, TensorStorageMetadata):
+            errors.append(f"model key {fqn!r} is missing")
+        elif tuple(meta.size) != tuple(spec.shape):
+            errors.append(f"model key {fqn!r} has shape {list(meta.size)}, the model args give {list(spec.shape)}")
+        else:
+            found[fqn] = meta
+    if errors:
+        shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
+        raise ValueError(
+            f"DCP checkpoint {dcp_path} does not match the model args (wrong --flavor/--hf-config?):\n  "
+            + "\n  ".join(shown)
+        )
+    return found
+
+
+def dcp_to_hf(
+    dcp_path: str | Path,
+    out_path: str | Path,
+    *,
+    args: KimiK3ModelArgs,
+    dtype: torch.dtype = torch.bfloat16,
+    fp32_params_dtype: torch.dtype | None = None,
+    mxfp4_experts: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    base_config: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> Path:
+    """Export the model entry of a DCP checkpoint (training or converted) as an HF folder at ``out_path``."""
+    dcp_path = Path(dcp_path)
+    label = dtype_name(dtype)
+    specs, fp32 = model_tensor_specs(args, dtype)
+    saved = _dcp_model_metadata(dcp_path, specs)
+    with HFShardWriter(out_path, max_shard_bytes=max_shard_bytes, overwrite=overwrite) as writer:
+        batch: dict[str, torch.Tensor] = {}
+        batch_bytes, done = 0, 0
+
+        def flush() -> None:
+            nonlocal batch, batch_bytes, done
+            if not batch:
+                return
+            with quiet_single_process():
+                dcp.load({MODEL_KEY: batch}, checkpoint_id=str(dcp_path))
+            for fqn, tensor in batch.items():
+                key_dtype = fp32_params_dtype if fp32_params_dtype is not None and fqn in fp32 else dtype
+                for key, value in hf_tensors_for(fqn, tensor, dtype=key_dtype, mxfp4_experts=mxfp4_experts):
+                    writer.add(key, value)
+                done += 1
+                if progress is not None:
+                    progress(done, len(specs))
+            batch, batch_bytes = {}, 0
+
+        for fqn in specs:
+            meta = saved[fqn]
+            tensor = torch.empty(meta.size, dtype=meta.properties.dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if batch and batch_bytes + nbytes > max_shard_bytes:
+                flush()
+            batch[fqn] = tensor
+            batch_bytes += nbytes
+        flush()
+        config = hf_config(
+            args, base=base_config, torch_dtype=label,
+            quantization_config=MXFP4_QUANTIZATION_CONFIG if mxfp4_experts else None,
+        )
+        return writer.commit({"config.json": config})

@@ -1,0 +1,114 @@
+"""Export to the public HF layout: the key plans read backwards, experts split into per-expert w1/w2/w3
+(bf16 ``.weight``, or MXFP4 ``.weight_packed``/``.weight_scale``), A_log re-padded, sharded safetensors + index
++ config.json, written atomically.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from titan_kimi.checkpoint.destinations import is_expert_key
+from titan_kimi.checkpoint.hf_config import MXFP4_QUANTIZATION_CONFIG, hf_config
+from titan_kimi.checkpoint.hf_keys import padded_a_log_length, plan_key
+from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWriter
+from titan_kimi.checkpoint.mxfp4 import encode_mxfp4
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.init import fp32_parameter_names
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"export dtype {dtype} is not supported; valid: {list(_DTYPE_NAMES.values())}")
+    return _DTYPE_NAMES[dtype]
+
+
+def hf_tensors_for(
+    fqn: str, tensor: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16, mxfp4_experts: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF ``(key, tensor)`` pairs of one full model tensor (views where no conversion is needed)."""
+    for piece in plan_key(fqn, tensor.shape).pieces:
+        source = piece.source
+        box = tuple(slice(o, o + b) for o, b in zip(piece.offset, piece.box_shape))
+        value = tensor[box].reshape(source.shape)
+        if source.padded:
+            n = source.shape[0]
+            padded = torch.zeros(padded_a_log_length(n), dtype=dtype)
+            padded[:n] = value
+            yield source.key, padded
+        elif source.expert and mxfp4_experts:
+            packed, scale = encode_mxfp4(value)
+            yield source.packed_key, packed
+            yield source.scale_key, scale
+        else:
+            yield source.key, value.to(dtype)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def export_hf_checkpoint(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    mxfp4_experts: bool = False,
+    fp32_params_dtype: torch.dtype | None = None,
+    base_config: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Write ``model`` as an HF checkpoint folder at ``path`` (all tensors in ``dtype``, experts optionally MXFP4).
+
+    Host memory: one shard of copies plus one full tensor at a time. DTensor parameters are gathered one tensor
+    at a time (every rank must call this); only rank 0 writes. ``base_config`` (e.g. the source checkpoint's
+    config.json) keeps its non-text fields such as ``vision_config``. ``fp32_params_dtype`` exports the tensors
+    the model keeps in fp32 (A_log, dt_bias, KDA convs, o_norm, router bias) in that dtype instead of ``dtype``
+    (e.g. torch.float32 to keep trained values exactly); by default everything is ``dtype``.
+    """
+    args: KimiK3ModelArgs | None = getattr(model, "args", None)
+    if not isinstance(args, KimiK3ModelArgs):
+        raise ValueError("export_hf_checkpoint needs a Kimi K3 model with .args (KimiK3ModelArgs)")
+    if not (getattr(model, "is_first", True) and getattr(model, "is_last", True)):
+        raise ValueError(
+            f"the model is a pipeline stage (layers {model.first_layer}..{model.last_layer - 1}); an HF export needs "
+            f"every layer: save a DCP checkpoint and run scripts/convert_checkpoint.py dcp-to-hf"
+        )
+    dtype_label = dtype_name(dtype)
+    if fp32_params_dtype is not None:
+        dtype_name(fp32_params_dtype)
+    fp32_names = fp32_parameter_names(model)
+    state = model.state_dict()
+    with HFShardWriter(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite, enabled=_rank() == 0) as writer:
+        for done, (fqn, tensor) in enumerate(state.items(), 1):
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()  # a collective: one tensor gathered at a time
+            if is_expert_key(fqn) and tensor.shape[0] != args.num_experts:
+                raise ValueError(
+                    f"{fqn} holds {tensor.shape[0]} of num_experts={args.num_experts} experts (a plain expert-parallel "
+                    f"shard); an HF export needs all of them: save a DCP checkpoint and convert it"
+                )
+            key_dtype = fp32_params_dtype if fp32_params_dtype is not None and fqn in fp32_names else dtype
+            for key, value in hf_tensors_for(fqn, tensor, dtype=key_dtype, mxfp4_experts=mxfp4_experts):
+                writer.add(key, value)
+            if progress is not None:
+                progress(done, len(state))
+        config = hf_config(
+            args,
+            base=base_config,
+            torch_dtype=dtype_label,
+            quantization_config=MXFP4_QUANTIZATION_CONFIG if mxfp4_experts else None,
+        )
+        out = writer.commit({"config.json": config})
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return out
