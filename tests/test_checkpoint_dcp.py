@@ -210,3 +210,41 @@ def test_config_disabled_and_bad_arguments(tmp_path):
         CheckpointManager(tmp_path, async_mode="threads")
     with pytest.raises(ValueError, match="bare torch optimizer"):
         manager(tmp_path, interval=1).save(1, {"optimizer": run.optimizer})
+
+
+def test_fp32_moments_of_bf16_parameters_resume_exactly(tmp_path):
+    """The train loop's optimizer keeps fp32 moments for bf16 weights; torch's Optimizer.load_state_dict would
+    round them to bf16, the manager keeps the saved dtype."""
+    from titan_kimi.config.sections import Optimizer
+    from titan_kimi.models.kimi_k3.init import cast_model_dtype
+    from titan_kimi.training.optimizer import build_optimizer
+
+    def make(seed):
+        torch.manual_seed(seed)
+        model = cast_model_dtype(KimiK3Model(model_args_for("k3_debug", n_layers=4)), torch.bfloat16)
+        model.init_weights()
+        return model, build_optimizer([model], Optimizer(state_dtype="float32"))
+
+    def step(model, opt, tokens):
+        model(tokens).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    tokens = torch.randint(0, 2048, (3, 2, 8), generator=torch.Generator().manual_seed(0))
+    model, opt = make(0)
+    step(model, opt, tokens[0])
+    ckpt = manager(tmp_path, interval=1)
+    ckpt.save(1, training_state(model, opt, rng=False))
+    other, other_opt = make(1)
+    ckpt.load(training_state(other, other_opt, rng=False))
+    saved, loaded = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert saved.keys() == loaded.keys()
+    for pid in saved:
+        for name, value in saved[pid].items():
+            assert loaded[pid][name].dtype == value.dtype and torch.equal(loaded[pid][name], value), (pid, name)
+    assert all(v["exp_avg"].dtype == torch.float32 for v in saved.values())  # for bf16 weights too
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+    for t in tokens[1:]:
+        step(model, opt, t)
+        step(other, other_opt, t)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))

@@ -112,8 +112,23 @@ class OptimizerState(Stateful):
                     part, opt, {"state": state, "param_groups": nested["param_groups"]},
                     options=StateDictOptions(strict=False),  # strict=False: stateless parameters stay stateless
                 )
+                _restore_state_dtypes(opt, nested["param_groups"], state)
         finally:
             self._saved_keys = None
+
+
+def _restore_state_dtypes(opt: torch.optim.Optimizer, fqn_groups: list[dict], state: dict[str, dict]) -> None:
+    """torch's ``Optimizer.load_state_dict`` casts every floating state tensor to its parameter's dtype, which
+    would round fp32 moments of bf16 parameters (an optimizer with its own state dtype); put back the dtype
+    the state was saved and loaded in."""
+    for group, fqn_group in zip(opt.param_groups, fqn_groups):
+        if len(group["params"]) != len(fqn_group["params"]):
+            continue  # shared parameters: no one-to-one order to follow
+        for param, fqn in zip(group["params"], fqn_group["params"]):
+            for name, value in state.get(fqn, {}).items():
+                current = opt.state[param].get(name)
+                if torch.is_tensor(value) and torch.is_tensor(current) and current.dtype != value.dtype:
+                    opt.state[param][name] = value.to(device=current.device)
 
 
 def _group_fqns(flat: dict[str, Any]) -> set[str]:
