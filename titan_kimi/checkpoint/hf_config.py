@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from titan_kimi.models.kimi_k3.args import _HF_RENAMES, KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.args import HF_RENAMES, KimiK3ModelArgs
 
 COMPOSITE_MODEL_TYPE = "kimi_k3"
 TEXT_MODEL_TYPE = "kimi_linear"
@@ -25,7 +25,7 @@ MXFP4_QUANTIZATION_CONFIG = {
                 "language_model.model.layers.*.block_sparse_moe.experts.*.w2",
                 "language_model.model.layers.*.block_sparse_moe.experts.*.w3"],
 }
-_OWNED_TEXT_KEYS = set(_HF_RENAMES) | {
+_OWNED_TEXT_KEYS = set(HF_RENAMES) | {
     "q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size", "linear_attn_config", "num_key_value_heads",
     "tie_word_embeddings", "mla_use_nope", "num_nextn_predict_layers", "model_type", "architectures",
     "quantization_config", "torch_dtype",
@@ -35,7 +35,7 @@ _OWNED_TEXT_KEYS = set(_HF_RENAMES) | {
 def hf_text_config(args: KimiK3ModelArgs) -> dict[str, Any]:
     """The HF text config (``KimiK3TextConfig``) that ``KimiK3ModelArgs.from_hf_config`` maps back to ``args``."""
     cfg: dict[str, Any] = {"model_type": TEXT_MODEL_TYPE, "architectures": ["KimiK3ForCausalLM"]}
-    for hf, ours in _HF_RENAMES.items():
+    for hf, ours in HF_RENAMES.items():
         if hf.startswith("index_") and not args.index_n_heads:
             continue  # K3 (no indexer) configs carry no indexer fields
         value = getattr(args, ours)

@@ -132,7 +132,7 @@ def plan_key(fqn: str, shape: Sequence[int]) -> KeyPlan:
         part = (half, shape[1])
         pieces = (Piece(HFSource(prefix + gate, part), (0, 0)), Piece(HFSource(prefix + up, part), (half, 0)))
         return KeyPlan(fqn, shape, pieces)
-    if rest in ("attention.decay.A_log", "attention.A_log"):
+    if rest == "attention.decay.A_log":
         return _whole(fqn, shape, prefix + "self_attn.A_log", padded=True)
     if rest == "attention.decay.dt_bias":  # the fp32 decay params sit in their own module (FSDP2 unit)
         return _whole(fqn, shape, prefix + "self_attn.dt_bias")

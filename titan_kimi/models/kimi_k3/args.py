@@ -185,7 +185,7 @@ class KimiK3ModelArgs(BaseModelArgs):
         return cls(**{**hf_config_to_kwargs(config), **overrides})
 
 
-_HF_RENAMES = {
+HF_RENAMES = {
     "vocab_size": "vocab_size",
     "hidden_size": "dim",
     "num_hidden_layers": "n_layers",
@@ -226,7 +226,7 @@ def hf_config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise ValueError(f"config.json: text_config must be an object, got {type(text).__name__}")
     out: dict[str, Any] = {}
-    for hf, ours in _HF_RENAMES.items():
+    for hf, ours in HF_RENAMES.items():
         if text.get(hf) is not None:
             out[ours] = text[hf]
     if text.get("tie_word_embeddings"):
