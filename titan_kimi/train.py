@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lowerings.ops import configure_backends
+from titan_kimi.checkpoint import CheckpointManager, export_hf_checkpoint, load_model_weights, training_state
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX, build_dataloader
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
@@ -80,6 +81,9 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
         self.dataloader = self._build_dataloader(cfg.data.dataset, cfg.data.path, seed=cfg.job.seed)
         self.step = 0
+        self.checkpointer = CheckpointManager.from_config(cfg.checkpoint, cfg.job.dump_folder)
+        self.train_state = training_state(self.model, self.optimizer, self.lr_scheduler, self.dataloader)
+        self._restore()
         self.metrics = MetricsLogger(
             self.dump, cfg.metrics.log_freq, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
             cfg.metrics.progress, t.steps, is_main=env.is_main,
@@ -130,6 +134,33 @@ class Trainer:
             dp_rank=self.env.rank if self.env.launched else 0, dp_world_size=self.dp, seed=seed,
             shuffle=self.cfg.data.shuffle, vocab_size=self.args.vocab_size,
         )
+
+    def _restore(self) -> None:
+        """Resume from the latest (or ``checkpoint.load_step``) checkpoint; else start from
+        ``checkpoint.initial_load_path`` (HF safetensors or a DCP folder) when given."""
+        cfg = self.cfg.checkpoint
+        restored = self.checkpointer.load(self.train_state) if cfg.enable else None
+        if restored is not None:
+            self.step = restored
+            logger.info("resumed from %s at step %d", self.checkpointer.step_dir(restored), restored)
+        elif cfg.initial_load_path:
+            fmt = load_model_weights(self.model, cfg.initial_load_path)
+            logger.info("initial weights from %s (%s)", cfg.initial_load_path, fmt)
+
+    def _final_save(self) -> None:
+        """The last step: the full training state, only the model (``last_save_model_only``), or an HF
+        safetensors export in ``export_dtype`` (``last_save_in_hf``)."""
+        cfg = self.cfg.checkpoint
+        if not cfg.enable:
+            return
+        if cfg.last_save_in_hf:
+            path = self.checkpointer.folder / f"hf-step-{self.step}"
+            export_hf_checkpoint(self.model, path, dtype=DTYPES[cfg.export_dtype], overwrite=True)
+            logger.info("exported HF safetensors to %s", path)
+        elif cfg.last_save_model_only:
+            self.checkpointer.save(self.step, {"model": self.model}, force=True)
+        else:
+            self.checkpointer.save(self.step, self.train_state, force=True)
 
     # ------------------------------------------------------------------ one step
     def _forward_loss(self, batch: dict, normalizer: torch.Tensor) -> torch.Tensor:
@@ -221,13 +252,17 @@ class Trainer:
                     raise NonFiniteGradientError(f"step {self.step}: the loss is {metrics.loss}")
                 if cfg.validation.enable and self.step % cfg.validation.freq == 0:
                     self.validate()
+                if self.step < cfg.training.steps:
+                    self.checkpointer.save(self.step, self.train_state)
                 if self.step % cfg.training.gc_freq == 0:
                     gc.collect()
+            self._final_save()
         finally:
             gc.enable()
         logger.info(self.metrics.summary())
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
 
 

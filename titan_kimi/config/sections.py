@@ -138,7 +138,7 @@ class Checkpoint:
         True, "the final save holds only the model weights (no optimizer state)")
     last_save_in_hf: bool = option(
         False, "write the final save as HF safetensors (needs last_save_model_only)")
-    export_dtype: str = option("bfloat16", "dtype of the final model-only save", choices=DTYPES)
+    export_dtype: str = option("bfloat16", "dtype of the final HF safetensors export (last_save_in_hf)", choices=DTYPES)
 
 
 @dataclass
