@@ -12,6 +12,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +195,10 @@ class Trainer:
         else:
             self.optimizer.step()
         lr = self.lr_scheduler.get_last_lr()[0]
-        self.lr_scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped step still advances the schedule; torch warns when no optimizer step preceded it.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
