@@ -114,3 +114,21 @@ def test_clip_gradients_reports_after_clipping_overflow():
     q.grad = torch.tensor([3.0, 4.0])
     ok = clip_gradients([("q", q)], max_norm=1.0)
     assert ok.finite and ok.grad_norm == pytest.approx(5.0) and q.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_validation_and_tensorboard(tmp_path, capsys):
+    run_main(capsys, *TINY, "--data.dataset", "synthetic", "--training.steps", "4", "--training.local_batch_size", "2",
+             "--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
+             "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    validation = [r for r in rows if "validation_loss" in r]
+    assert [r["step"] for r in validation] == [2, 4]
+    assert all(r["validation_loss"] > 0 and r["validation_tokens"] > 0 for r in validation)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_deterministic_runs_repeat_exactly(tmp_path, capsys):
+    args = [*TINY, "--training.steps", "2", "--training.local_batch_size", "2", "--job.deterministic"]
+    run_main(capsys, *args, "--job.dump_folder", str(tmp_path / "a"))
+    run_main(capsys, *args, "--job.dump_folder", str(tmp_path / "b"))
+    assert read_metrics(tmp_path / "a")[-1]["loss"] == read_metrics(tmp_path / "b")[-1]["loss"]

@@ -41,8 +41,8 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=False)
         torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(deterministic)
 
 
 def dry_run(cfg, args, layout: ParallelLayout) -> None:
