@@ -25,12 +25,11 @@ class Crash(Exception):
     pass
 
 
-def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, monkeypatch):
-    straight = trainer(tmp_path / "straight")
+def straight_and_resumed(tmp_path, monkeypatch, *extra):
+    """Losses and final trainers of a 4-step run and of one that crashes in step 3 and resumes from step 2."""
+    straight = trainer(tmp_path / "straight", *extra)
     straight.train()
-    expected = [m.loss for m in straight.metrics.history]
-
-    first = trainer(tmp_path / "resumed")
+    first = trainer(tmp_path / "resumed", *extra)
     real_step = first.train_step
 
     def step_then_crash(data_iter):
@@ -42,14 +41,29 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, monkeypatch):
     with pytest.raises(Crash):
         first.train()
     assert first.checkpointer.steps() == [2]
-
-    second = trainer(tmp_path / "resumed")
+    second = trainer(tmp_path / "resumed", *extra)
     assert second.step == 2
     second.train()
     resumed = [m.loss for m in first.metrics.history] + [m.loss for m in second.metrics.history]
+    return [m.loss for m in straight.metrics.history], resumed, straight, second
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, monkeypatch):
+    expected, resumed, straight, second = straight_and_resumed(tmp_path, monkeypatch)
     assert resumed == expected
     for (name, a), (_, b) in zip(straight.model.state_dict().items(), second.model.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_resume_on_gpu_matches_within_bf16_tolerance(tmp_path, monkeypatch):
+    """GPU kernels accumulate with atomics (sparse MLA backward), so runs agree to bf16 noise, not bits."""
+    expected, resumed, straight, second = straight_and_resumed(tmp_path, monkeypatch, "--model.dtype", "bfloat16",
+                                                               "--training.mixed_precision", "false")
+    assert next(straight.model.parameters()).is_cuda
+    assert resumed == pytest.approx(expected, rel=2e-2)
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), second.model.state_dict().items()):
+        assert ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)) < 2e-2, name
 
 
 def test_final_hf_export_and_initial_load(tmp_path):
