@@ -19,27 +19,16 @@ in torch: deterministic, no atomics.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .launch import interpreting, launch
+
 __all__ = ["attn_res_mix_forward", "attn_res_mix_backward"]
 
 _MAX_PROGRAMS = 1024  # backward row groups; fixed so the d_g/d_w reduction order depends only on N
-
-
-def _launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch a kernel. Under tracing (torch.compile / a torch.library.triton_op being traced, i.e. fake or
-    functional tensors) it goes through torch.library.wrap_triton so Inductor sees the kernel; in eager it
-    calls the kernel directly, because wrap_triton's HOP dispatch costs ~1 ms per launch in eager mode."""
-    traced = torch.compiler.is_compiling() or any(
-        isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
-    if traced and isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
-        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
 
 
 @triton.jit
@@ -169,7 +158,7 @@ def _last_contig(t: torch.Tensor) -> torch.Tensor:
 def _blocks(m: int, H: int) -> tuple[int, int, int]:
     bm = triton.next_power_of_2(max(m, 1))
     bh = max(64, min(triton.next_power_of_2(max(H, 1)), 8192 // bm))
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreting():
         bh = min(bh, 32)  # exercise the chunk loops at test sizes
     return bm, bh, (8 if bm * bh >= 8192 else 4)
 
@@ -184,7 +173,7 @@ def attn_res_mix_forward(bank: torch.Tensor, partial: torch.Tensor, norm_weight:
     out = torch.empty(N, H, dtype=partial.dtype, device=partial.device)
     if N and H:
         bm, bh, warps = _blocks(m, H)
-        _launch(_attn_res_fwd_kernel, (N,), bank, partial, wg, out,
+        launch(_attn_res_fwd_kernel, (N,), bank, partial, wg, out,
                 bank.stride(0), bank.stride(1), partial.stride(0), out.stride(0), m, H, float(eps),
                 BLOCK_M=bm, BLOCK_H=bh, num_warps=warps)
     return out
@@ -210,7 +199,7 @@ def attn_res_mix_backward(dout: torch.Tensor, bank: torch.Tensor, partial: torch
     dwg = (torch.empty if N else torch.zeros)(progs, H, dtype=torch.float32, device=bank.device)
     if N and H:
         bm, bh, warps = _blocks(m, H)
-        _launch(_attn_res_bwd_kernel, (progs,), bank, partial, wg, dout, d_bank, d_part, dwg,
+        launch(_attn_res_bwd_kernel, (progs,), bank, partial, wg, dout, d_bank, d_part, dwg,
                 bank.stride(0), bank.stride(1), partial.stride(0), dout.stride(0),
                 d_bank.stride(0), d_bank.stride(1), d_part.stride(0), dwg.stride(0),
                 N, m, H, float(eps), rows_per_prog, BLOCK_M=bm, BLOCK_H=bh, num_warps=warps)

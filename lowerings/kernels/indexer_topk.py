@@ -21,33 +21,14 @@ most recent first among equal scores, and the index is read back from the low 32
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .launch import autotune_enabled, interpreting, launch, next_pow2
+
 __all__ = ["indexer_topk", "indexer_scores", "default_scores_config", "scores_configs"]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch a kernel. Under tracing (torch.compile / a torch.library.triton_op being traced, i.e. fake or
-    functional tensors) it goes through torch.library.wrap_triton so Inductor sees the kernel; in eager it
-    calls the kernel directly, because wrap_triton's HOP dispatch costs ~1 ms per launch in eager mode."""
-    traced = torch.compiler.is_compiling() or any(
-        isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
-    if traced and isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
-        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
 
 
 @triton.jit
@@ -104,14 +85,14 @@ def _indexer_scores_kernel(
 
 def default_scores_config(HI: int, on_gpu: bool = True) -> dict:
     """2 query rows x 64 heads = 128 MMA rows, 128 keys, K = 128: one wgmma tile per warpgroup pair."""
-    bhi = _next_pow2(max(HI, 1))
+    bhi = next_pow2(max(HI, 1))
     bm = max(1, (128 if on_gpu else 16) // bhi)
     return dict(BLOCK_M=bm, BLOCK_N=128 if on_gpu else 16, num_warps=8 if on_gpu else 4,
                 num_stages=2 if on_gpu else 1)
 
 
 def scores_configs(HI: int) -> list[dict]:
-    bhi = _next_pow2(max(HI, 1))
+    bhi = next_pow2(max(HI, 1))
     bm = max(1, 128 // bhi)
     return [
         dict(BLOCK_M=bm, BLOCK_N=128, num_warps=8, num_stages=2),
@@ -165,18 +146,17 @@ def indexer_scores(
     args = (q, k, w, seg_start, out,
             q.stride(0), q.stride(1), k.stride(0), w.stride(0), w.stride(1), out.stride(0),
             row0, n_rows, width, HI, D, float(scale))
-    meta = dict(BLOCK_HI=_next_pow2(max(HI, 1)), BLOCK_D=_next_pow2(max(D, 16)),
-                DOT_PREC="ieee" if q.dtype == torch.float32 or _interpreting() else "tf32",
-                UPCAST=_interpreting() and q.dtype != torch.float32, SORT_KEYS=out.dtype == torch.int64)
-    use_tune = (config is None and q.is_cuda and not _interpreting()
-                and os.environ.get("TITAN_KIMI_TRITON_AUTOTUNE", "1") != "0")
+    meta = dict(BLOCK_HI=next_pow2(max(HI, 1)), BLOCK_D=next_pow2(max(D, 16)),
+                DOT_PREC="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
+                UPCAST=interpreting() and q.dtype != torch.float32, SORT_KEYS=out.dtype == torch.int64)
+    use_tune = config is None and autotune_enabled(q)
     if use_tune:
         kernel = _autotuned_scores(tuple(tuple(sorted(c.items())) for c in scores_configs(HI)))
-        _launch(kernel, lambda m: (triton.cdiv(n_rows, m["BLOCK_M"]), triton.cdiv(width, m["BLOCK_N"])),
+        launch(kernel, lambda m: (triton.cdiv(n_rows, m["BLOCK_M"]), triton.cdiv(width, m["BLOCK_N"])),
                 *args, **meta)
     else:
-        c = dict(config or default_scores_config(HI, on_gpu=q.is_cuda and not _interpreting()))
-        _launch(_indexer_scores_kernel, (triton.cdiv(n_rows, c["BLOCK_M"]), triton.cdiv(width, c["BLOCK_N"])),
+        c = dict(config or default_scores_config(HI, on_gpu=q.is_cuda and not interpreting()))
+        launch(_indexer_scores_kernel, (triton.cdiv(n_rows, c["BLOCK_M"]), triton.cdiv(width, c["BLOCK_N"])),
                 *args, **meta, **c)
     return out
 

@@ -10,25 +10,14 @@ Grid (row, column block): rows on axis 0 (no 65535 limit), F split in BLOCK_F co
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .launch import interpreting, launch
+
 __all__ = ["situ_glu_forward", "situ_glu_backward"]
-
-
-def _launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch a kernel. Under tracing (torch.compile / a torch.library.triton_op being traced, i.e. fake or
-    functional tensors) it goes through torch.library.wrap_triton so Inductor sees the kernel; in eager it
-    calls the kernel directly, because wrap_triton's HOP dispatch costs ~1 ms per launch in eager mode."""
-    traced = torch.compiler.is_compiling() or any(
-        isinstance(a, torch.Tensor) and type(a) not in (torch.Tensor, torch.nn.Parameter) for a in args)
-    if traced and isinstance(kernel, (triton.runtime.JITFunction, triton.runtime.Autotuner)):
-        torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
-    else:
-        kernel[grid](*args, **kwargs)
 
 
 @triton.jit
@@ -90,7 +79,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _block(F: int) -> tuple[int, int]:
     bf = min(2048, triton.next_power_of_2(max(F, 16)))
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreting():
         bf = min(bf, 64)
     return bf, (8 if bf >= 2048 else 4)
 
@@ -111,7 +100,7 @@ def situ_glu_forward(gate_up: torch.Tensor, beta: float = 4.0, beta_lin: float =
     y2 = y.view(-1, F)
     if x.shape[0] and F:
         bf, warps = _block(F)
-        _launch(_situ_glu_fwd_kernel, (x.shape[0], triton.cdiv(F, bf)), x, y2, x.stride(0), y2.stride(0), F,
+        launch(_situ_glu_fwd_kernel, (x.shape[0], triton.cdiv(F, bf)), x, y2, x.stride(0), y2.stride(0), F,
                 float(beta), float(beta_lin), BLOCK_F=bf, num_warps=warps)
     return y
 
@@ -127,6 +116,6 @@ def situ_glu_backward(dy: torch.Tensor, gate_up: torch.Tensor, beta: float = 4.0
     dx2 = dx.view(-1, 2 * F)
     if x.shape[0] and F:
         bf, warps = _block(F)
-        _launch(_situ_glu_bwd_kernel, (x.shape[0], triton.cdiv(F, bf)), x, d, dx2, x.stride(0), d.stride(0),
+        launch(_situ_glu_bwd_kernel, (x.shape[0], triton.cdiv(F, bf)), x, d, dx2, x.stride(0), d.stride(0),
                 dx2.stride(0), F, float(beta), float(beta_lin), BLOCK_F=bf, num_warps=warps)
     return dx
