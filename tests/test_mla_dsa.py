@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 import torch
 
 from titan_kimi.models.kimi_k3 import build_sequence_info, model_args_for

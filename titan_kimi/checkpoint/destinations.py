@@ -14,6 +14,20 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 EXPERT_SUFFIXES = (".moe.experts.w13", ".moe.experts.w2")
+# Wrappers that insert a level into parameter names: activation checkpointing and torch.compile.
+_WRAPPER_LEVELS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_fqn(fqn: str) -> str:
+    """The model's own name for a tensor, whatever wrappers parallelisation put around its modules."""
+    for level in _WRAPPER_LEVELS:
+        fqn = fqn.replace(level, "")
+    return fqn
+
+
+def owned_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` under canonical names (the keys this process owns)."""
+    return {canonical_fqn(fqn): tensor for fqn, tensor in model.state_dict().items()}
 
 
 @dataclass(frozen=True)
@@ -98,5 +112,5 @@ def model_destinations(
         expert_range = (first, last)
     return [
         destination_for(fqn, tensor, num_experts=num_experts, expert_range=expert_range)
-        for fqn, tensor in model.state_dict().items()
+        for fqn, tensor in owned_state(model).items()
     ]
