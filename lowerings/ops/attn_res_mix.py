@@ -1,10 +1,15 @@
-"""``titan_kimi::attn_res_mix``: the Attention-Residuals softmax mix over the block bank and the partial sum."""
+"""``titan_kimi::attn_res_mix``: the Attention-Residuals softmax mix over the block bank and the partial sum.
+
+The opaque ``custom_op`` runs in eager and the ``default`` compile modes; ``attn_res_mix_triton`` is the same
+contract as a ``torch.library.triton_op`` (kernels launched through ``wrap_triton``, visible to Inductor),
+used under the ``inductor`` compile mode when the triton backend runs on CUDA.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from lowerings.ops.registry import cuda_available, op_backends, selected_backend
+from lowerings.ops.registry import cuda_available, op_backends, selected_backend, triton_ops_enabled
 
 BACKENDS = op_backends("attn_res_mix")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
@@ -82,6 +87,37 @@ def _backward(ctx, grad):
 torch.library.register_autograd("titan_kimi::attn_res_mix", _backward, setup_context=_setup_context)
 
 
+@torch.library.triton_op("titan_kimi::attn_res_mix_triton", mutates_args=())
+def attn_res_mix_triton_op(
+    bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    from lowerings.kernels.attn_res_mix import attn_res_mix_forward
+
+    return attn_res_mix_forward(bank, partial, norm_weight, proj_weight, eps)
+
+
+@torch.library.triton_op("titan_kimi::attn_res_mix_backward_triton", mutates_args=())
+def attn_res_mix_backward_triton_op(
+    grad: torch.Tensor,
+    bank: torch.Tensor,
+    partial: torch.Tensor,
+    norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from lowerings.kernels.attn_res_mix import attn_res_mix_backward
+
+    return attn_res_mix_backward(grad, bank, partial, norm_weight, proj_weight, eps)
+
+
+def _triton_backward(ctx, grad):
+    grads = attn_res_mix_backward_triton_op(grad.contiguous(), *ctx.saved_tensors, ctx.eps)
+    return (*grads, None)
+
+
+torch.library.register_autograd("titan_kimi::attn_res_mix_triton", _triton_backward, setup_context=_setup_context)
+
+
 def attn_res_mix(
     bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -90,4 +126,8 @@ def attn_res_mix(
         raise ValueError(
             f"attn_res_mix expects bank [N,m,H] and partial [N,H], got {tuple(bank.shape)} and {tuple(partial.shape)}"
         )
-    return attn_res_mix_op(bank.contiguous(), partial.contiguous(), norm_weight.reshape(-1), proj_weight.reshape(-1), eps)
+    args = (bank.contiguous(), partial.contiguous(), norm_weight.reshape(-1), proj_weight.reshape(-1), eps)
+    if (torch.compiler.is_compiling() and triton_ops_enabled() and selected_backend("attn_res_mix") == "triton"
+            and partial.is_cuda):
+        return attn_res_mix_triton_op(*args)  # Inductor-visible kernels (the inductor compile mode)
+    return attn_res_mix_op(*args)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from lowerings.ops.registry import cuda_available, op_backends, selected_backend
+from lowerings.ops.registry import cuda_available, not_built, op_backends, selected_backend
 
 BACKENDS = op_backends("indexer")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
+BACKENDS.add("cudnn", not_built("the cuDNN frontend DSA indexer backend"))
 
 # Row chunks keep the fp32 [rows, heads, T] intermediate under this many bytes, so long sequences never
 # materialise the whole [T, T] score matrix.

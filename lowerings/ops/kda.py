@@ -13,10 +13,11 @@ from typing import Optional
 import torch
 
 from lowerings.ops.kda_reference import kda_reference
-from lowerings.ops.registry import all_of, cuda_available, module_available, op_backends, selected_backend
+from lowerings.ops.registry import all_of, cuda_available, module_available, not_built, op_backends, selected_backend
 
 BACKENDS = op_backends("kda")
 BACKENDS.add("fla", all_of(cuda_available, module_available("fla")), auto_rank=0)
+BACKENDS.add("cudnn", not_built("the cuDNN frontend kimi_delta_attention backend"))
 
 _EMPTY = (0,)
 

@@ -3,13 +3,18 @@
 Every op has a ``reference`` backend (pure PyTorch, runs anywhere). Fused backends register an availability
 check; selecting one that is unavailable fails at config validation with the reason, never mid-step.
 ``auto`` picks the first available backend of the op's preference order and logs the choice.
+
+The compile mode also sets, for the span of a compiled call, how ops lower under tracing: Inductor-visible
+``triton_op`` variants instead of the opaque custom ops, or an op's plain formula for a graph pass to match
+(``compile_lowering``). Eager code is unaffected.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +110,15 @@ def module_available(module: str) -> AvailabilityCheck:
     return check
 
 
+def not_built(what: str) -> AvailabilityCheck:
+    """A backend the config may name but titan_kimi does not wire yet: selecting it fails with this reason."""
+
+    def check() -> str | None:
+        return f"{what} is not wired into titan_kimi yet"
+
+    return check
+
+
 def all_of(*checks: AvailabilityCheck) -> AvailabilityCheck:
     def check() -> str | None:
         for c in checks:
@@ -114,3 +128,36 @@ def all_of(*checks: AvailabilityCheck) -> AvailabilityCheck:
         return None
 
     return check
+
+
+# ---------------------------------------------------------------- how ops lower while torch.compile traces
+# Set only for the duration of a compiled call by the compile mode (lowerings.inductor.modes); eager code
+# always runs the opaque custom ops. Plain module globals (a bool and a tuple of str) so that Dynamo guards
+# on their values: a change recompiles instead of reusing a graph traced under other settings.
+_TRITON_OPS: bool = False
+_DECOMPOSED: tuple[str, ...] = ()
+
+
+def triton_ops_enabled() -> bool:
+    """Under compile, use the Inductor-visible ``torch.library.triton_op`` variants where they exist."""
+    return _TRITON_OPS
+
+
+def emits_formula(op: str) -> bool:
+    """Under compile, emit ``op`` as its plain-torch formula for a graph pass to rewrite into the fused op."""
+    return op in _DECOMPOSED
+
+
+@contextmanager
+def compile_lowering(*, triton_ops: bool, decomposed: Iterable[str] = ()) -> Iterator[None]:
+    """Scope the lowering flags above (nests; restores the previous values on exit)."""
+    global _TRITON_OPS, _DECOMPOSED
+    unknown = sorted(set(decomposed) - set(_REGISTRY))
+    if unknown:
+        raise ValueError(f"compile_lowering: decomposed ops {unknown} are not registered; valid: {known_ops()}")
+    saved = _TRITON_OPS, _DECOMPOSED
+    _TRITON_OPS, _DECOMPOSED = triton_ops, tuple(sorted(decomposed))
+    try:
+        yield
+    finally:
+        _TRITON_OPS, _DECOMPOSED = saved

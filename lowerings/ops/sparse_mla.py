@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from lowerings.ops.registry import all_of, cuda_available, module_available, op_backends, selected_backend
+from lowerings.ops.registry import cuda_available, not_built, op_backends, selected_backend
 
 BACKENDS = op_backends("sparse_mla")
 BACKENDS.add("dense")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
-BACKENDS.add("flash_mla", all_of(cuda_available, module_available("flash_mla")))
+BACKENDS.add("cudnn", not_built("the cuDNN frontend sparse-attention backend"))
+BACKENDS.add("flash_mla", not_built("the FlashMLA sparse forward (used only where a flash_mla module is importable)"))
 
 
 def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, equation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,10 +54,6 @@ def _forward(q, kv, idx, scale, d_v):
         from lowerings.kernels.sparse_mla_fwd import sparse_mla_forward
 
         return sparse_mla_forward(q, kv, idx, scale, d_v)
-    if backend == "flash_mla" and q.is_cuda:
-        from lowerings.kernels.flash_mla_adapter import flash_mla_sparse_forward
-
-        return flash_mla_sparse_forward(q, kv, idx, scale, d_v)
     if backend == "dense":
         return sparse_mla_dense(q, kv, idx, scale, d_v)
     return sparse_mla_reference(q, kv, idx, scale, d_v)
@@ -88,7 +85,7 @@ def sparse_mla_backward_op(
 ) -> list[torch.Tensor]:
     """Gradients for (q, kv). Fused backends reuse ``out`` and ``lse``; the reference recomputes."""
     backend = selected_backend("sparse_mla")
-    if backend in ("triton", "flash_mla") and q.is_cuda:
+    if backend == "triton" and q.is_cuda:
         from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
 
         return list(sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))

@@ -1,0 +1,52 @@
+"""Every op passes torch.library.opcheck; backend selection fails early with the reason."""
+
+import pytest
+import torch
+
+from lowerings import ops
+from lowerings.ops.registry import configure_backends, selected_backend
+
+
+def _floats(*tensors):
+    return [t.requires_grad_() if t.is_floating_point() else t for t in tensors]
+
+
+def test_opcheck_every_op():
+    torch.manual_seed(0)
+    T, H, D = 12, 3, 10
+    seg = torch.tensor([0] * 5 + [5] * 7, dtype=torch.int32)
+    idx = ops.indexer_topk(torch.randn(T, 2, 6), torch.randn(T, 6), torch.randn(T, 2), seg, topk=4, scale=0.5)
+    idx[2] = -1  # an empty row
+    cases = [
+        (torch.ops.titan_kimi.indexer_topk.default, (torch.randn(T, 2, 6), torch.randn(T, 6), torch.randn(T, 2), seg, 4, 0.5)),
+        (torch.ops.titan_kimi.sparse_mla.default, (*_floats(torch.randn(T, H, D), torch.randn(T, D)), idx, 0.3, 8)),
+        (torch.ops.titan_kimi.situ_glu.default, (*_floats(torch.randn(4, 5, 16)), 4.0, 25.0)),
+        (torch.ops.titan_kimi.attn_res_mix.default,
+         (*_floats(torch.randn(6, 2, 8), torch.randn(6, 8), torch.randn(8), torch.randn(8)), 1e-5)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("op, name, reason", [
+    ("kda", "cudnn", "not wired into titan_kimi yet"),
+    ("sparse_mla", "flash_mla", "not wired into titan_kimi yet"),
+    ("sparse_mla", "triton", "no CUDA device"),
+    ("kda", "fla", "no CUDA device|not installed"),
+])
+def test_unavailable_backend_fails_at_configuration_with_the_reason(op, name, reason):
+    if torch.cuda.is_available() and reason.startswith("no CUDA"):
+        pytest.skip("CUDA is available here")
+    before = selected_backend(op)
+    with pytest.raises(ValueError, match=reason):
+        configure_backends({op: name, "situ_glu": "reference"})
+    assert selected_backend(op) == before and selected_backend("situ_glu") == "reference"
+
+
+def test_unknown_backend_and_auto():
+    with pytest.raises(ValueError, match=r"valid: \['auto', 'reference'"):
+        configure_backends({"situ_glu": "cutlass"})
+    resolved = configure_backends({"situ_glu": "auto", "attn_res_mix": "auto"})
+    expected = "triton" if torch.cuda.is_available() else "reference"
+    assert resolved == {"situ_glu": expected, "attn_res_mix": expected}
+    configure_backends({"situ_glu": "reference", "attn_res_mix": "reference"})
