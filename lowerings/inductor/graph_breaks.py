@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 
+from lowerings.inductor.modes import lowering_scope
+
 
 @dataclass(frozen=True)
 class BreakReport:
@@ -15,8 +17,10 @@ class BreakReport:
     reasons: list[str]
 
 
-def count_graph_breaks(fn, *args, **kwargs) -> BreakReport:
+def count_graph_breaks(fn, *args, mode: str = "default", **kwargs) -> BreakReport:
+    """Trace ``fn(*args, **kwargs)`` as compile mode ``mode`` would (its op lowering: formulas, triton_ops)."""
     torch._dynamo.reset()
-    explanation = torch._dynamo.explain(fn)(*args, **kwargs)
+    with lowering_scope(mode):
+        explanation = torch._dynamo.explain(fn)(*args, **kwargs)
     return BreakReport(explanation.graph_count, explanation.graph_break_count,
                        [str(r.reason) for r in explanation.break_reasons])

@@ -4,28 +4,80 @@
 |---|---|
 | none | eager |
 | default | per-block torch.compile (Inductor); the titan_kimi ops stay opaque custom ops |
+| inductor | as default, plus: the Triton kernels of situ_glu and attn_res_mix run as `torch.library.triton_op`s (Inductor sees, schedules and plans memory for them; CUDA + triton backend only), SiTU-GLU is emitted as its plain formula and our joint-graph pass rewrites it into the fused op (forward and backward) |
 | max-autotune | as default, with Inductor's GEMM/pointwise autotuning (no CUDA graphs) |
 | reduce-overhead | as default, with CUDA graphs over the graph partitions |
+
+A mode has two halves: ``compile_options`` (the ``torch.compile`` keyword arguments, which carry the graph pass
+through ``options`` so it is installed exactly while these regions compile, backward included) and
+``lowering_scope`` (how the titan_kimi ops lower while Dynamo traces; must be active around every call of a
+compiled region, see ``titan_kimi.parallel.compile``). On CPU the ``inductor`` mode has no triton_op path (no
+CUDA): the ops keep their reference backends and only the SiTU-GLU rewrite applies.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ContextManager
 
-_MODES: dict[str, dict[str, Any] | None] = {
-    "none": None,
-    "default": {"backend": "inductor"},
-    "max-autotune": {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"},
-    "reduce-overhead": {"backend": "inductor", "mode": "reduce-overhead"},
-}
+from lowerings.ops.registry import compile_lowering
+
+# Ops the inductor mode emits as plain torch for a pattern to fuse back (one pattern module per op).
+DECOMPOSED_OPS: tuple[str, ...] = ("situ_glu",)
+
+
+@dataclass(frozen=True)
+class CompileMode:
+    name: str
+    compiled: bool = True
+    torch_mode: str | None = None  # torch.compile(mode=...)
+    triton_ops: bool = False  # Inductor-visible triton_op variants of our kernels
+    graph_passes: bool = False  # emit DECOMPOSED_OPS as formulas and run TitanKimiJointPass
+
+    def compile_options(self) -> dict[str, Any] | None:
+        if not self.compiled:
+            return None
+        options: dict[str, Any] = {"backend": "inductor"}
+        if self.torch_mode is not None:
+            options["mode"] = self.torch_mode
+        if self.graph_passes:
+            from lowerings.inductor.passes import TitanKimiJointPass
+
+            # torch.compile takes `mode` or `options`, not both; the graph-pass modes set no torch mode.
+            options["options"] = {"joint_custom_post_pass": TitanKimiJointPass(triton_ops=self.triton_ops)}
+        return options
+
+    def lowering_scope(self) -> ContextManager[None]:
+        if not self.compiled:
+            return contextlib.nullcontext()
+        return compile_lowering(triton_ops=self.triton_ops, decomposed=DECOMPOSED_OPS if self.graph_passes else ())
+
+
+_MODES: dict[str, CompileMode] = {m.name: m for m in (
+    CompileMode("none", compiled=False),
+    CompileMode("default"),
+    CompileMode("inductor", triton_ops=True, graph_passes=True),
+    CompileMode("max-autotune", torch_mode="max-autotune-no-cudagraphs"),
+    CompileMode("reduce-overhead", torch_mode="reduce-overhead"),
+)}
 
 
 def compile_mode_names() -> list[str]:
     return list(_MODES)
 
 
-def compile_options(mode: str) -> dict[str, Any] | None:
-    """``torch.compile`` keyword arguments for ``mode``; None for eager."""
+def compile_mode(mode: str) -> CompileMode:
     if mode not in _MODES:
         raise ValueError(f"compile.mode = {mode!r} is not available; valid: {compile_mode_names()}")
     return _MODES[mode]
+
+
+def compile_options(mode: str) -> dict[str, Any] | None:
+    """``torch.compile`` keyword arguments for ``mode`` (graph passes included); None for eager."""
+    return compile_mode(mode).compile_options()
+
+
+def lowering_scope(mode: str) -> ContextManager[None]:
+    """The op-lowering flags of ``mode``, to hold around every call of a region compiled under it."""
+    return compile_mode(mode).lowering_scope()

@@ -2,14 +2,51 @@
 
 from __future__ import annotations
 
-from lowerings.inductor.modes import compile_options
+import contextlib
+
+import torch
+import torch._dynamo
+
+from lowerings.inductor.modes import compile_mode
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 
 
+class _ForwardScope:
+    """Holds the mode's lowering flags and recompile limit from a forward's pre-hook to its (always-called)
+    hook: Dynamo traces the compiled blocks inside the model forward, so that is where both must hold."""
+
+    def __init__(self, mode: str, recompile_limit: int) -> None:
+        self.mode, self.recompile_limit = mode, recompile_limit
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def enter(self, module: torch.nn.Module, args: tuple) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(compile_mode(self.mode).lowering_scope())
+        stack.enter_context(torch._dynamo.config.patch(
+            recompile_limit=self.recompile_limit,
+            accumulated_recompile_limit=max(torch._dynamo.config.accumulated_recompile_limit, self.recompile_limit)))
+        self._stacks.append(stack)
+
+    def exit(self, module: torch.nn.Module, args: tuple, output: object) -> None:
+        if self._stacks:
+            self._stacks.pop().close()
+
+
 def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool) -> None:
-    """Compile every decoder block in place (parameter names unchanged); ``none`` leaves the model eager."""
-    options = compile_options(mode)
+    """Compile every decoder block in place (parameter names unchanged); ``none`` leaves the model eager.
+
+    The blocks share one code object, so Dynamo counts every block variant (layer position, block type, AttnRes
+    bank size, which inputs need grad, and once more when the packed document count first changes) against one
+    recompile limit: it is raised to cover the stack, inside the forward only, rather than failing a fullgraph
+    compile at Dynamo's default of 8.
+    """
+    spec = compile_mode(mode)
+    options = spec.compile_options()
     if options is None:
         return
     for block in model.layers.values():
         block.compile(fullgraph=fullgraph, **options)
+    limit = max(torch._dynamo.config.recompile_limit, 4 * len(model.layers) + 8)
+    scope = _ForwardScope(mode, limit)
+    model.register_forward_pre_hook(scope.enter)
+    model.register_forward_hook(scope.exit, always_call=True)

@@ -1,0 +1,185 @@
+"""The compile-mode registry, per-block compile in each mode, zero graph breaks, and the ablation script."""
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from lowerings.inductor.graph_breaks import count_graph_breaks
+from lowerings.inductor.modes import compile_mode, compile_mode_names, compile_options, lowering_scope
+from lowerings.inductor.passes import COUNTER
+from lowerings.ops.registry import emits_formula, triton_ops_enabled
+from titan_kimi.config.sections import Compile
+from titan_kimi.models.kimi_k3 import KimiK3Model, build_sequence_info, model_args_for
+from titan_kimi.models.kimi_k3.block import KimiK3Block
+from titan_kimi.parallel.compile import apply_compile
+
+ROOT = Path(__file__).parents[1]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+check_graph_breaks = load_script("check_graph_breaks")
+ablate_compile = load_script("ablate_compile")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_every_config_choice_is_a_registered_mode():
+    choices = dict((f.name, f.metadata["choices"]) for f in dataclasses.fields(Compile))["mode"]
+    assert sorted(choices) == sorted(compile_mode_names())
+    assert compile_options("none") is None
+    for mode in compile_mode_names():
+        with lowering_scope(mode):  # every mode's lowering can be entered
+            pass
+        if mode != "none":
+            assert compile_options(mode)["backend"] == "inductor"
+    assert compile_options("max-autotune")["mode"] == "max-autotune-no-cudagraphs"
+    assert compile_options("reduce-overhead")["mode"] == "reduce-overhead"
+    assert "joint_custom_post_pass" in compile_options("inductor")["options"]
+
+
+def test_unknown_mode_error_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"compile.mode = 'fastest' is not available; valid: \['none', 'default', "
+                                         r"'inductor', 'max-autotune', 'reduce-overhead'\]"):
+        compile_options("fastest")
+    with pytest.raises(ValueError, match="'fastest'"):
+        ablate_compile.parse_modes("none,fastest")
+
+
+def test_lowering_scope_sets_and_restores_the_flags():
+    assert not triton_ops_enabled() and not emits_formula("situ_glu")
+    with lowering_scope("inductor"):
+        assert triton_ops_enabled() and emits_formula("situ_glu")
+        with lowering_scope("default"):  # nests
+            assert not triton_ops_enabled() and not emits_formula("situ_glu")
+        assert emits_formula("situ_glu")
+    assert not triton_ops_enabled() and not emits_formula("situ_glu")
+
+
+def block_inputs(args, layer: int, seq_len: int = 16):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, seq_len, args.dim, requires_grad=True)
+    bank = torch.randn(2 * seq_len, check_graph_breaks.bank_entries(args, layer), args.dim)
+    doc_ids = torch.tensor([[1] * seq_len, [1] * 5 + [2] * (seq_len - 5)])
+    return hidden, bank, build_sequence_info(2, seq_len, hidden.device, doc_ids)
+
+
+def lowering_groups() -> dict[tuple, list[str]]:
+    """Compiled modes grouped by how they lower the ops (what Dynamo traces)."""
+    groups: dict[tuple, list[str]] = {}
+    for name in compile_mode_names():
+        spec = compile_mode(name)
+        if spec.compiled:
+            groups.setdefault((spec.triton_ops, spec.graph_passes), []).append(name)
+    return groups
+
+
+@pytest.mark.parametrize("mode", [modes[0] for modes in lowering_groups().values()])
+def test_every_block_type_has_zero_graph_breaks_in_every_mode(mode):
+    # Modes in one lowering group trace the same graph; one representative per group covers them all.
+    args = model_args_for("k31_debug")
+    kinds = check_graph_breaks.representative_layers(args)
+    assert set(kinds) == {"kda+dense", "kda+moe", "dsa+moe"}
+    for kind, layer in kinds.items():
+        torch.manual_seed(0)
+        block = KimiK3Block(layer, args)
+        block.init_weights()
+        report = count_graph_breaks(block, *block_inputs(args, layer), mode=mode)
+        assert (report.graphs, report.breaks) == (1, 0), (mode, kind, report.reasons)
+
+
+@pytest.mark.parametrize("mode", ["default", "inductor"])
+def test_fullgraph_block_in_mode_matches_eager(mode, monkeypatch):
+    # Layer 0 (KDA + dense SiTU MLP + AttnRes): the smallest block that holds both fused ops. Compiled for
+    # real (no FX-cache hit), so the inductor mode's pass runs and is counted.
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    counters.clear()
+    args = model_args_for("k31_debug")
+    torch.manual_seed(0)
+    block = KimiK3Block(0, args)
+    block.init_weights()
+    hidden, bank, seq = block_inputs(args, 0)
+    wrt = [hidden, *block.parameters()]
+    out, _ = block(hidden, bank, seq)
+    grads = torch.autograd.grad(out.sum(), wrt, allow_unused=True)
+    compiled = torch.compile(block, fullgraph=True, **compile_options(mode))
+    with lowering_scope(mode):
+        out_c, _ = compiled(hidden, bank, seq)
+    grads_c = torch.autograd.grad(out_c.sum(), wrt, allow_unused=True)
+    torch.testing.assert_close(out_c, out, rtol=1e-5, atol=1e-5)
+    assert sum(g is not None for g in grads) > 10
+    for g_c, g in zip(grads_c, grads):
+        assert (g_c is None) == (g is None)
+        if g is not None:
+            torch.testing.assert_close(g_c, g, rtol=1e-4, atol=1e-5)
+    assert counters[COUNTER]["situ_glu_rewrites"] == (1 if mode == "inductor" else 0)
+
+
+def test_apply_compile_holds_the_mode_during_the_model_forward_only():
+    args = dataclasses.replace(model_args_for("k31_debug"), n_layers=2, kda_layers=(), full_attn_layers=())
+    torch.manual_seed(0)
+    model = KimiK3Model(args)
+    model.init_weights()
+    apply_compile(model, "inductor", fullgraph=True)
+    seen = []
+    for block in model.layers.values():
+        # Observe the state each compiled call runs under, then run the block eagerly (no compile here).
+        def spy(*a, _block=block, **kw):
+            seen.append((triton_ops_enabled(), emits_formula("situ_glu"), torch._dynamo.config.recompile_limit))
+            return _block._call_impl(*a, **kw)
+
+        block._compiled_call_impl = spy
+    tokens = torch.randint(0, args.vocab_size, (1, 8))
+    model(tokens)
+    limit = max(8, 4 * len(model.layers) + 8)
+    assert seen == [(True, True, limit)] * len(model.layers)
+    assert not triton_ops_enabled() and not emits_formula("situ_glu")
+    assert torch._dynamo.config.recompile_limit == 8
+
+
+def test_ablation_script_writes_table_and_json(tmp_path):
+    out = tmp_path / "ablate"
+    argv = ["--flavor", "k31_debug", "--steps", "3", "--seq-len", "16", "--batch", "1", "--n-layers", "1",
+            "--modes", "none,default", "--out", str(out), "--no-plot", "--", "--training.mixed_precision", "false"]
+    assert ablate_compile.main(argv) == 0
+    result = json.loads((out / "results.json").read_text())
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert list(runs) == ["none", "default"]
+    assert result["setup"]["steps"] == 3 and result["setup"]["n_layers"] == 1
+    eager, compiled = runs["none"], runs["default"]
+    assert eager["graphs"] == 0 and eager["max_abs_dloss"] == 0
+    assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0
+    assert compiled["max_abs_dloss"] < 1e-3  # fp32: the compiled steps follow the eager loss curve
+    for r in runs.values():
+        assert len(r["losses"]) == 3 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["compile_s"] >= 0
+    table = (out / "results.md").read_text()
+    assert "| mode | tokens/s |" in table and "\n| default | " in table and "\n| none | " in table
+
+
+def test_ablation_plot_needs_matplotlib(tmp_path, monkeypatch):
+    setup = {"flavor": "k31_debug", "steps": 3, "batch": 1, "seq_len": 16, "device_name": "cpu"}
+    runs = [{"mode": "none", "tokens_per_s": 10.0, "step_time_s": 0.1, "compile_s": 0.0, "peak_mem_gib": 0.5},
+            {"mode": "default", "tokens_per_s": 12.0, "step_time_s": 0.08, "compile_s": 9.0, "peak_mem_gib": 0.6}]
+    if importlib.util.find_spec("matplotlib") is not None:
+        ablate_compile.plot(tmp_path / "chart.png", setup, runs)
+        assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(RuntimeError, match=r"needs matplotlib .*pip install matplotlib.*--no-plot"):
+        ablate_compile.plot(tmp_path / "missing.png", setup, runs)
