@@ -142,6 +142,22 @@ def test_only_the_inductor_mode_emits_the_formula():
     torch.testing.assert_close(eager_out, module(x))
 
 
+def test_a_flag_change_recompiles_instead_of_reusing_the_graph():
+    # Dynamo guards on the lowering flags: each setting gets its own graph, and both are reused afterwards.
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(any("titan_kimi.situ_glu" in str(n.target) for n in gm.graph.nodes))
+        return gm.forward
+
+    compiled = torch.compile(mlp(), backend=backend, fullgraph=True)
+    x = torch.randn(3, 16)
+    for mode in ("inductor", "default", "inductor", "default"):
+        with lowering_scope(mode):
+            compiled(x)
+    assert graphs == [False, True]  # formula graph, then fused-op graph; no third compile
+
+
 def test_pass_uuid_is_stable_and_keys_the_replacement():
     a, b = TitanKimiJointPass(triton_ops=True), TitanKimiJointPass(triton_ops=True)
     key = a.uuid()
