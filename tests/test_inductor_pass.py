@@ -158,6 +158,16 @@ def test_a_flag_change_recompiles_instead_of_reusing_the_graph():
     assert graphs == [False, True]  # formula graph, then fused-op graph; no third compile
 
 
+def test_patterns_registered_under_inference_mode_still_cover_training():
+    def entries(p: TitanKimiJointPass) -> int:
+        return sum(len(v) for v in p.patterns().patterns.values())
+
+    with torch.inference_mode():  # e.g. an eval compile first
+        first = TitanKimiJointPass()
+        first_count = entries(first)
+    assert first_count == entries(TitanKimiJointPass()) == 6  # 3 dtypes x (training, inference)
+
+
 def test_pass_uuid_is_stable_and_keys_the_replacement():
     a, b = TitanKimiJointPass(triton_ops=True), TitanKimiJointPass(triton_ops=True)
     key = a.uuid()

@@ -18,6 +18,7 @@ CUDA): the ops keep their reference backends and only the SiTU-GLU rewrite appli
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
@@ -42,16 +43,22 @@ class CompileMode:
         if self.torch_mode is not None:
             options["mode"] = self.torch_mode
         if self.graph_passes:
-            from lowerings.inductor.passes import TitanKimiJointPass
-
             # torch.compile takes `mode` or `options`, not both; the graph-pass modes set no torch mode.
-            options["options"] = {"joint_custom_post_pass": TitanKimiJointPass(triton_ops=self.triton_ops)}
+            options["options"] = {"joint_custom_post_pass": _joint_pass(self.triton_ops)}
         return options
 
     def lowering_scope(self) -> ContextManager[None]:
         if not self.compiled:
             return contextlib.nullcontext()
         return compile_lowering(triton_ops=self.triton_ops, decomposed=DECOMPOSED_OPS if self.graph_passes else ())
+
+
+@functools.lru_cache(maxsize=None)
+def _joint_pass(triton_ops: bool):
+    """One pass object per setting, shared by every block (its patterns are traced once, on first use)."""
+    from lowerings.inductor.passes import TitanKimiJointPass
+
+    return TitanKimiJointPass(triton_ops=triton_ops)
 
 
 _MODES: dict[str, CompileMode] = {m.name: m for m in (

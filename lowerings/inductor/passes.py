@@ -38,8 +38,11 @@ class TitanKimiJointPass(CustomGraphPass):
         if self._patterns is None:  # traced on first use, not at import (tracing takes ~0.2 s)
             from lowerings.inductor.situ_glu_pattern import register_situ_glu_patterns
 
-            self._patterns = PatternMatcherPass(pass_name="titan_kimi_joint_pass")
-            register_situ_glu_patterns(self._patterns, triton_ops=self.triton_ops)
+            patterns = PatternMatcherPass(pass_name="titan_kimi_joint_pass")
+            # register_replacement skips training patterns under inference mode, and the pass keeps what it got.
+            with torch.inference_mode(False):
+                register_situ_glu_patterns(patterns, triton_ops=self.triton_ops)
+            self._patterns = patterns
         return self._patterns
 
     def __call__(self, graph: torch.fx.Graph) -> None:
