@@ -12,17 +12,20 @@ run now are merged into an existing ``results.json`` of the same setup, so a lon
 several processes.
 
 Columns: tokens/s and step time are medians over the steps after the first (use >= 5 steps: the packed
-document count changes at step 2 and recompiles once). compile = first step minus the median step; without
-``--warmup`` the first mode of a process also pays kernel autotuning and Inductor's start-up. dynamo s = the
-compile_times() total (Dynamo tracing + Inductor, forward and backward, recompiles included). Graphs and graph
-breaks come from torch._dynamo.utils.counters; recompiles = compiles of a frame beyond its first. max |dloss|
-is against the ``none`` run of the same setup. Peak memory is torch.cuda.max_memory_allocated on CUDA (reset
-per mode), the process's peak RSS on CPU (a high-water mark that never goes down between modes).
+document count changes at step 2 and recompiles once). compile = first step minus the median step, cold by
+default (``--cache fresh``: each mode compiles into an empty Inductor/Triton cache; ``--cache warm`` shows what
+a rerun costs); without ``--warmup`` the first mode of a process also pays kernel autotuning and Inductor's
+start-up. dynamo s = the compile_times() total (Dynamo tracing + Inductor, forward and backward, recompiles
+included). Graphs and graph breaks come from torch._dynamo.utils.counters; recompiles = compiles of a frame
+beyond its first. max |dloss| is against the ``none`` run of the same setup. Peak memory is
+torch.cuda.max_memory_allocated on CUDA (reset per mode), the process's peak RSS on CPU (a high-water mark that
+never goes down between modes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -52,7 +55,7 @@ from titan_kimi.parallel.layout import resolve_layout  # noqa: E402
 from titan_kimi.training.build import model_args_from_config  # noqa: E402
 
 KERNEL_OPS = ("kda", "indexer", "sparse_mla", "situ_glu", "attn_res_mix")
-SETUP_KEYS = ("flavor", "config", "steps", "seq_len", "batch", "n_layers", "overrides", "device")
+SETUP_KEYS = ("flavor", "config", "steps", "seq_len", "batch", "n_layers", "overrides", "device", "cache")
 
 
 def parse_modes(text: str) -> list[str]:
@@ -83,7 +86,7 @@ def job_argv(opts: argparse.Namespace, mode: str, dump: Path) -> list[str]:
         "--training.global_batch_size", "-1", "--compile.mode", mode, "--job.dump_folder", str(dump),
         "--checkpoint.enable", "false", "--validation.enable", "false", "--metrics.progress", "off",
         # The recipe's warm-up may be longer than a short ablation; the schedule is the same for every mode.
-        "--lr_scheduler.warmup_steps", str(min(opts.warmup_steps, opts.steps)),
+        "--lr_scheduler.warmup_steps", str(min(opts.lr_warmup_steps, opts.steps)),
     ]
     return argv + list(opts.overrides)
 
@@ -134,20 +137,32 @@ def dynamo_seconds() -> float:
     return sum(sum(compilation_time_metrics.get(k, [])) for k in keys)
 
 
+def inductor_caches(kind: str) -> contextlib.AbstractContextManager:
+    """``fresh``: a new, empty Inductor/Triton cache for the mode (cold compile times, nothing reused from the
+    modes before it: they share most kernels); ``warm``: whatever caches the environment has."""
+    if kind == "warm":
+        return contextlib.nullcontext()
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache  # renamed in torch 2.8
+    return fresh()
+
+
 def run_mode(opts: argparse.Namespace, mode: str, device: torch.device) -> dict[str, Any]:
     torch._dynamo.reset()
     counters.clear()
     release(device)
-    row: dict[str, Any] = {"mode": mode}
+    row: dict[str, Any] = {"mode": mode, "cache": opts.cache}
     t0 = time.perf_counter()
     try:
-        trainer = build_trainer(opts, mode, opts.out / "runs" / mode)
-        try:
-            trainer.train()
-            history = list(trainer.metrics.history)
-        finally:
-            trainer.close()
-            del trainer
+        with inductor_caches(opts.cache):
+            trainer = build_trainer(opts, mode, opts.out / "runs" / mode)
+            try:
+                trainer.train()
+                history = list(trainer.metrics.history)
+            finally:
+                trainer.close()
+                del trainer
     except Exception as err:  # one failing mode must not hide the others' numbers
         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:500]
         row["traceback"] = traceback.format_exc(limit=20)
@@ -286,9 +301,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                         help="first an untimed eager step and a tiny compile, so kernel autotuning and Inductor "
                              "start-up are not charged to the first mode (default: on with CUDA)")
+    parser.add_argument("--cache", choices=("fresh", "warm"), default="fresh",
+                        help="Inductor/Triton caches per mode: fresh = empty (cold compile), warm = the environment's")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (which needs matplotlib)")
     parser.add_argument("--append", action="store_true", help="merge into an existing results.json")
-    parser.add_argument("--warmup-steps", type=int, default=0,
+    parser.add_argument("--lr-warmup-steps", type=int, default=0,
                         help="LR warm-up steps (capped at --steps; the same for every mode)")
     split = argv.index("--") if "--" in argv else len(argv)  # after "--": job-config overrides
     opts = parser.parse_args(argv[:split])
@@ -312,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = {
         "flavor": opts.flavor, "config": opts.recipe, "steps": opts.steps, "seq_len": opts.seq_len,
         "batch": opts.batch, "n_layers": opts.n_layers, "overrides": opts.overrides, "device": str(device),
+        "cache": opts.cache,
         "modes": opts.mode_list, **environment(device),
     }
     if opts.warmup if opts.warmup is not None else device.type == "cuda":
