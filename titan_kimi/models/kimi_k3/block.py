@@ -27,6 +27,9 @@ class KimiK3Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.block_size = args.attn_res_block_size
+        # A plain bool, not derived from layer_id in forward: compiled blocks then specialise on two values
+        # (starts a block or not) instead of once per layer index.
+        self.starts_block = bool(self.block_size) and layer_id % self.block_size == 0
         self.is_kda = args.is_kda_layer(layer_id)
         self.attention = KimiDeltaAttention(args) if self.is_kda else GatedMLA(args)
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
@@ -39,10 +42,6 @@ class KimiK3Block(nn.Module):
         if self.block_size:
             self.attention_mix = AttnResMix(args.dim, args.norm_eps, args.init_std)
             self.ffn_mix = AttnResMix(args.dim, args.norm_eps, args.init_std)
-
-    @property
-    def starts_block(self) -> bool:
-        return bool(self.block_size) and self.layer_id % self.block_size == 0
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.moe(x) if self.moe_enabled else self.feed_forward(x)

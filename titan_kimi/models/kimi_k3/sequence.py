@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 
 
 @dataclass
@@ -41,6 +42,9 @@ def build_sequence_info(batch: int, seq_len: int, device: torch.device, doc_ids:
     seg_start = torch.cummax(starts, dim=1).values.to(torch.int32)
     flat_starts = (is_start.reshape(-1)).nonzero().squeeze(1).to(torch.int32)
     cu_seqlens = torch.cat([flat_starts, flat_starts.new_tensor([batch * seq_len])])
+    # The document count changes from batch to batch: compiled blocks treat its length as dynamic up front
+    # instead of recompiling every block once when it first changes.
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
     return SequenceInfo(
         batch,
         seq_len,
