@@ -384,28 +384,12 @@ def test_unknown_flavor_is_rejected_by_the_registry():
     assert "one of " + "|".join(FAKE_FLAVORS) in message
 
 
-def test_missing_registry_module_skips_only_the_flavor_check(monkeypatch):
-    # None in sys.modules makes the import fail with ModuleNotFoundError, as before the registry existed.
-    monkeypatch.setitem(sys.modules, FLAVORS_MODULE, None)
-    assert known_flavors() is None
-    assert load("--model.flavor", "anything").model.flavor == "anything"
-    with pytest.raises(ConfigError, match="training.steps"):
-        load("--model.flavor", "anything", "--training.steps", "0")
-
-
-def _real_flavor_names() -> list[str]:
-    names = known_flavors()
-    if names is None:
-        pytest.skip(f"{FLAVORS_MODULE} does not exist yet")
-    return names
-
-
 def test_real_registry_knows_the_default_flavor():
-    assert JobConfig().model.flavor in _real_flavor_names()
+    assert JobConfig().model.flavor in known_flavors()
 
 
 def test_real_registry_rejects_unknown_flavor():
-    names = _real_flavor_names()
+    names = known_flavors()
     with pytest.raises(ConfigError) as error_info:
         load("--model.flavor", "no_such_flavor")
     message = str(error_info.value)

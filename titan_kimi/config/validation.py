@@ -49,22 +49,13 @@ def validate_job_config(cfg: JobConfig, sources: Mapping[str, str] | None = None
     _check_flavor(cfg, source_of("model.flavor"))
 
 
-def known_flavors() -> list[str] | None:
-    """The model registry's flavor names, or None while the registry module does not exist yet."""
-    try:
-        flavors = importlib.import_module(FLAVORS_MODULE)
-    except ModuleNotFoundError as error:
-        # Only a missing registry module skips the check; a broken import inside it must surface.
-        parts = FLAVORS_MODULE.split(".")
-        parents = {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
-        if error.name in parents:
-            return None
-        raise
-    return list(flavors.flavor_names())
+def known_flavors() -> list[str]:
+    """The model registry's flavor names (imported late: it pulls in torch, which --help must not wait for)."""
+    return list(importlib.import_module(FLAVORS_MODULE).flavor_names())
 
 
 def _check_flavor(cfg: JobConfig, source: str) -> None:
     names = known_flavors()
-    if names is not None and cfg.model.flavor not in names:
+    if cfg.model.flavor not in names:
         raise bad_value("model.flavor", cfg.model.flavor, source, "not a known flavor",
                         "one of " + "|".join(names))
