@@ -105,11 +105,17 @@ def test_every_block_type_has_zero_graph_breaks_in_every_mode(mode):
         assert (report.graphs, report.breaks) == (1, 0), (mode, kind, report.reasons)
 
 
+@pytest.fixture
+def no_fx_cache():
+    # config.patch, not monkeypatch: pytest 9.2's monkeypatch deletes config-module attributes on undo.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+
+
 @pytest.mark.parametrize("mode", ["default", "inductor"])
-def test_fullgraph_block_in_mode_matches_eager(mode, monkeypatch):
+def test_fullgraph_block_in_mode_matches_eager(mode, no_fx_cache):
     # Layer 0 (KDA + dense SiTU MLP + AttnRes): the smallest block that holds both fused ops. Compiled for
     # real (no FX-cache hit), so the inductor mode's pass runs and is counted.
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     counters.clear()
     args = model_args_for("k31_debug")
     torch.manual_seed(0)

@@ -49,9 +49,11 @@ def fresh_dynamo():
 
 
 @pytest.fixture
-def no_fx_cache(monkeypatch):
-    # A cache hit would skip the passes under test (and the census); compile for real.
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+def no_fx_cache():
+    # A cache hit would skip the passes under test (and the census); compile for real. (config.patch, not
+    # monkeypatch: pytest 9.2's monkeypatch deletes config-module attributes on undo.)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
 
 
 def mlp(dtype=torch.float32) -> SituMLP:
