@@ -107,7 +107,6 @@ def main() -> int:
             rows.append(dict(T=T, path=path, ms=ms, peak_mib=mem, rel_diff=check))
         print(f"| {T} | dsa | {ms_dsa:.2f} | {mem_dsa:.0f} | {ms_ref / ms_dsa:.2f}x |")
         print(f"| {T} | dense_masked | {ms_ref:.2f} | {mem_ref:.0f} | 1.00x |  (outputs differ by {check:.2e} rel)")
-        del x, grad, indices
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

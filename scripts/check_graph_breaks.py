@@ -19,9 +19,6 @@ from titan_kimi.models.kimi_k3 import build_sequence_info, flavor_names, model_a
 from titan_kimi.models.kimi_k3.block import KimiK3Block
 
 
-def block_kind(block: KimiK3Block) -> str:
-    attention = "kda" if block.is_kda else ("dsa" if block.attention.indexer is not None else "mla")
-    return f"{attention}+{'moe' if block.moe_enabled else 'dense'}"
 
 
 def representative_layers(args) -> dict[str, int]:

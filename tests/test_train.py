@@ -117,13 +117,14 @@ def test_clip_gradients_reports_after_clipping_overflow():
 
 
 def test_validation_and_tensorboard(tmp_path, capsys):
-    run_main(capsys, *TINY, "--data.dataset", "synthetic", "--training.steps", "4", "--training.local_batch_size", "2",
+    run_main(capsys, *TINY, "--training.steps", "4", "--training.local_batch_size", "2",
              "--validation.enable", "--validation.freq", "2", "--validation.steps", "2",
              "--metrics.enable_tensorboard", "--job.dump_folder", str(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     validation = [r for r in rows if "validation_loss" in r]
     assert [r["step"] for r in validation] == [2, 4]
     assert all(r["validation_loss"] > 0 and r["validation_tokens"] > 0 for r in validation)
+    assert validation[0]["validation_tokens"] == validation[1]["validation_tokens"]  # the same batches each time
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 

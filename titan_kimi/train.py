@@ -25,7 +25,8 @@ from titan_kimi.data import IGNORE_INDEX, build_dataloader
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, init_distributed, pick_device
 from titan_kimi.parallel.layout import ParallelLayout, reject_unbuilt, resolve_layout
-from titan_kimi.training.build import DTYPES, build_meta_model, model_args_from_config, tokenizer_from_config
+from titan_kimi.dtypes import DTYPES
+from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
@@ -80,7 +81,10 @@ class Trainer:
         self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer([self.model], cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
-        self.dataloader = self._build_dataloader(cfg.data.dataset, cfg.data.path, seed=cfg.job.seed)
+        self.dataloader = self._build_dataloader(cfg.data.path, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
+        self.validation_loader = self._build_validation_loader() if cfg.validation.enable else None
+        # Every validation starts from the first batch, so runs that stop at validation.steps stay comparable.
+        self.validation_start = self.validation_loader.state_dict() if self.validation_loader else None
         self.step = 0
         self.checkpointer = CheckpointManager.from_config(cfg.checkpoint, cfg.job.dump_folder)
         self.train_state = training_state(self.model, self.optimizer, self.lr_scheduler, self.dataloader)
@@ -123,7 +127,8 @@ class Trainer:
         torch.manual_seed(self.cfg.job.seed)
         model.init_weights()
 
-    def _build_dataloader(self, dataset: str, path: str, *, seed: int):
+    def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True):
+        dataset = self.cfg.data.dataset
         if dataset == "medpix":
             raise ValueError(
                 "data.dataset = 'medpix' needs the vision tower, which titan_kimi does not build yet; "
@@ -133,8 +138,16 @@ class Trainer:
         return build_dataloader(
             dataset, path or None, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
             dp_rank=self.env.rank if self.env.launched else 0, dp_world_size=self.dp, seed=seed,
-            shuffle=self.cfg.data.shuffle, vocab_size=self.args.vocab_size,
+            shuffle=shuffle, infinite=infinite, vocab_size=self.args.vocab_size,
         )
+
+    def _build_validation_loader(self):
+        """One pass over the validation data per ``iter()``; built once (tokenising is the expensive part)."""
+        data = self.cfg.data
+        if data.dataset != "synthetic" and not data.validation_path:
+            logger.warning("validation: no data.validation_path, validating on the training data's sample file")
+        return self._build_dataloader(data.validation_path or data.path, seed=self.cfg.job.seed + 1,
+                                      shuffle=False, infinite=False)
 
     def _restore(self) -> None:
         """Resume from the latest (or ``checkpoint.load_step``) checkpoint; else start from
@@ -215,11 +228,11 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> None:
         cfg = self.cfg
-        loader = self._validation_loader()
+        self.validation_loader.load_state_dict(self.validation_start)
         self.model.eval()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         count = torch.zeros((), dtype=torch.float32, device=self.device)
-        for i, batch in enumerate(loader):
+        for i, batch in enumerate(self.validation_loader):
             if cfg.validation.steps != -1 and i >= cfg.validation.steps:
                 break
             batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -228,19 +241,6 @@ class Trainer:
         total, count = all_reduce_sum(total), all_reduce_sum(count)
         self.model.train()
         self.metrics.log_validation(self.step, float(total / count.clamp(min=1)), int(count))
-
-    def _validation_loader(self):
-        cfg, t = self.cfg, self.cfg.training
-        dataset = cfg.data.dataset
-        path = cfg.data.validation_path or None
-        if dataset != "synthetic" and path is None:
-            logger.warning("validation: no data.validation_path, validating on the training data's sample file")
-        return build_dataloader(
-            dataset, path or (cfg.data.path or None), self.tokenizer, seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size, dp_rank=self.env.rank if self.env.launched else 0,
-            dp_world_size=self.dp, seed=cfg.job.seed + 1, shuffle=False, infinite=False,
-            vocab_size=self.args.vocab_size,
-        )
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:

@@ -128,7 +128,6 @@ def _(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seq
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk = inputs
     _, _, residuals = output
-    ctx.num_residuals = len(residuals)
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, *residuals)
     ctx.static = (lower_bound, scale, output_final_state, l2norm_qk)
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from titan_kimi.checkpoint.dcp_states import _rank
 from titan_kimi.checkpoint.destinations import canonical_fqn, is_expert_key, owned_state
 from titan_kimi.checkpoint.hf_config import MXFP4_QUANTIZATION_CONFIG, hf_config
 from titan_kimi.checkpoint.hf_keys import padded_a_log_length, plan_key
@@ -49,10 +50,6 @@ def hf_tensors_for(
             yield source.scale_key, scale
         else:
             yield source.key, value.to(dtype)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def export_hf_checkpoint(

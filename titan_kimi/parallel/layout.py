@@ -46,18 +46,6 @@ def resolve_layout(par, world_size: int, args: KimiK3ModelArgs) -> ParallelLayou
     return ParallelLayout(world_size, rep, shard, cp, pp, ep)
 
 
-def pipeline_layer_ranges(args: KimiK3ModelArgs, stages: int) -> list[tuple[int, int]]:
-    """Whole AttnRes blocks per stage, as even as possible, extra blocks to the earlier stages (spec §12.2)."""
-    block = args.attn_res_block_size or 1
-    n_units = args.num_attn_res_blocks or args.n_layers
-    base, extra = divmod(n_units, stages)
-    ranges, first = [], 0
-    for s in range(stages):
-        units = base + (1 if s < extra else 0)
-        last = min(args.n_layers, first + units * block)
-        ranges.append((first, last))
-        first = last
-    return ranges
 
 
 def reject_unbuilt(layout: ParallelLayout) -> None:

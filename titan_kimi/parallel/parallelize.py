@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
+from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_kimi.parallel.compile import apply_compile
 from titan_kimi.parallel.fsdp import apply_fsdp
 from titan_kimi.parallel.layout import ParallelLayout
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _ac_and_compile(model: KimiK3Model, cfg) -> None:

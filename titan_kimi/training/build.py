@@ -11,8 +11,6 @@ from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer
 from titan_kimi.models.kimi_k3 import KimiK3Model, KimiK3ModelArgs, model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def model_args_from_config(cfg) -> KimiK3ModelArgs:
     """The flavor's args, or those of ``model.hf_config_path`` (a checkpoint config.json) when given."""

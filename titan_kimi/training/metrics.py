@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import resource
 import statistics
 import sys
@@ -138,4 +137,3 @@ def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stdout, force=True)
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -8,7 +8,8 @@ from typing import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+from titan_kimi.dtypes import DTYPES
+
 
 
 class AdamWithStateDtype(torch.optim.Optimizer):
@@ -67,7 +68,7 @@ def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Opti
     if not named:
         raise ValueError("no trainable parameters: every parameter has requires_grad=False")
     keep_fp32 = set().union(*(fp32_parameter_names(m) for m in model_parts))
-    state_dtype = _DTYPES[cfg.state_dtype]
+    state_dtype = DTYPES[cfg.state_dtype]
     moments_follow_params = all(n in keep_fp32 or p.dtype == state_dtype for n, p in named)
     params = [p for _, p in named]
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)

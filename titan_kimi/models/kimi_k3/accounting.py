@@ -19,14 +19,13 @@ class ParamCounts:
     total: int
     active: int
     embedding: int
-    routed_experts: int
     frozen: int
 
 
 def count_params(model: nn.Module) -> ParamCounts:
     """Counts over the parameters this module holds (a pipeline stage counts only its own)."""
     args: KimiK3ModelArgs = model.args
-    total = embedding = routed = frozen = inactive = 0
+    total = embedding = frozen = inactive = 0
     for name, p in model.named_parameters():
         n = p.numel()
         total += n
@@ -35,9 +34,8 @@ def count_params(model: nn.Module) -> ParamCounts:
         if name.startswith("tok_embeddings."):
             embedding += n
         if ".moe.experts." in name:
-            routed += n
             inactive += n * (args.num_experts - args.num_experts_per_tok) // args.num_experts
-    return ParamCounts(total, total - embedding - inactive, embedding, routed, frozen)
+    return ParamCounts(total, total - embedding - inactive, embedding, frozen)
 
 
 def _mean_keys(seq_len: int, cap: int | None = None) -> float:
