@@ -293,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
     trainer = Trainer(cfg, args, layout, env)
     try:
+        if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
+            from lowerings.kernels.fla_kda import FLA_CONFIGS  # points FLA at shipped autotune configs
+
+            logger.info(FLA_CONFIGS)
         trainer.train()
     finally:
         trainer.close()

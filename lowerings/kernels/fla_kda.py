@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from lowerings.kernels.fla_config_cache import use_shipped_fla_configs
+
+FLA_CONFIGS = use_shipped_fla_configs()  # before any fla import: FLA reads FLA_CACHE_MODE when imported
 CHUNK = 64
 
 
