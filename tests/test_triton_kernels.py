@@ -399,6 +399,60 @@ def test_indexer_scores_match_dense(ik):
     assert (by_key[1:] >= by_key[:-1]).all()  # the int64 keys order like the fp32 scores
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(BLOCK_N=16, BLOCK_T=8, TOKS=4, num_warps=4, num_stages=1),   # the interpreter default (HI 4)
+    dict(BLOCK_N=32, BLOCK_T=16, TOKS=1, num_warps=4, num_stages=1),  # one row per step
+    dict(BLOCK_N=8, BLOCK_T=4, TOKS=8, num_warps=4, num_stages=1),    # a step spans past the program's rows
+])
+def test_indexer_scores_configs_and_windows(ik, cfg):
+    """Keys-major programs: rows before the key block, rows whose window starts after it (documents), an
+    arbitrary (non-monotone) seg_start, chunks starting mid-sequence; fp32 scores and int64 keys agree."""
+    T = 45
+    q, k, w = _indexer_inputs(T, seed=7)
+    gen = torch.Generator().manual_seed(7)
+    segs = {"docs": doc_seg_start(T, [3, 4, 20, 37]),
+            "random": (torch.rand(T, generator=gen) * (torch.arange(T) + 1)).to(torch.int32)}  # any s <= t
+    for name, seg in segs.items():
+        ref_all = ref_indexer_scores(q, k, w, seg, 0.5)
+        for r0, n in ((0, T), (9, 17), (40, 5)):
+            ref = ref_all[r0:r0 + n, :r0 + n]
+            buf = torch.full((n, T), 7.0)
+            ik.indexer_topk.indexer_scores(q, k, w, seg, 0.5, r0, n, buf, config=cfg)
+            got = buf[:, :r0 + n]
+            assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), (name, r0)
+            fin = torch.isfinite(ref)
+            assert rel_err(got[fin], ref[fin]) < 1e-5, (name, r0)
+            assert (buf[:, r0 + n:] == 7.0).all()
+            keys = torch.zeros(n, T, dtype=torch.int64)
+            ik.indexer_topk.indexer_scores(q, k, w, seg, 0.5, r0, n, keys, config=cfg)
+            kk = keys[:, :r0 + n]
+            assert torch.equal(kk == torch.iinfo(torch.int64).min, torch.isneginf(ref)), (name, r0)
+            assert torch.equal(kk[fin] & 0xFFFFFFFF, torch.arange(r0 + n).expand(n, r0 + n)[fin])
+            assert (keys[:, r0 + n:] == 0).all()
+
+
+def test_indexer_topk_one_row_chunks_and_negative_scale(ik):
+    """A cap below one row still makes progress (1-row chunks); a negative scale (folded into k) matches."""
+    T, topk = 20, 5
+    q, k, w = _indexer_inputs(T, seed=8)
+    seg = doc_seg_start(T, [7])
+    for scale in (0.5, -0.5):
+        scores = ref_indexer_scores(q, k, w, seg, scale)
+        idx = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, scale, mem_cap_bytes=1)
+        assert torch.equal(idx, ref_indexer_topk(scores, topk))
+        assert torch.equal(idx, ik.indexer_topk.indexer_topk(q, k, w, seg, topk, scale))
+
+
+def test_indexer_topk_strided_inputs(ik):
+    """q, k, w as strided views (heads and rows not packed), HI not a power of two."""
+    T, HI, D, topk = 24, 5, 16, 4
+    q, k, w = _indexer_inputs(T, HI=HI + 2, D=D + 8, seed=9)
+    q, k, w = q[:, 1:HI + 1, :D], k[:, 4:D + 4], w[:, 2:HI + 2]
+    seg = doc_seg_start(T, [10])
+    idx = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, 0.4, mem_cap_bytes=8 * T * 7)
+    assert torch.equal(idx, ref_indexer_topk(ref_indexer_scores(q, k, w, seg, 0.4), topk))
+
+
 def test_indexer_rejects_bad_inputs(ik):
     q, k, w = _indexer_inputs(8)
     seg = torch.zeros(8, dtype=torch.int32)
@@ -578,6 +632,37 @@ def test_gpu_indexer_topk_k3():
     for cap in (1 << 30, 16 << 20):  # one chunk; 1024-row chunks
         idx = indexer_topk(q, k, w, seg, topk, D ** -0.5, mem_cap_bytes=cap)
         assert_topk_valid(idx, scores, topk, tol=tol)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_indexer_scores_every_config():
+    """Every autotune config (and the default) of the score kernel, fp32 scores and int64 keys, a chunk
+    starting mid-sequence with documents, against the fp32 reference."""
+    from lowerings.kernels.indexer_topk import default_scores_config, indexer_scores, scores_configs
+
+    T, HI, D = 1536, 64, 128
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(T, HI, D, generator=gen).to("cuda", torch.bfloat16)
+    k = torch.randn(T, D, generator=gen).to("cuda", torch.bfloat16)
+    w = (torch.randn(T, HI, generator=gen) * (HI * D) ** -0.5).to("cuda")
+    seg = doc_seg_start(T, [300, 301, 1000], device="cuda")
+    r0, n = 520, 1000
+    ref = ref_indexer_scores(q, k, w, seg, D ** -0.5, compute_dtype=torch.float32)[r0:r0 + n, :r0 + n]
+    fin = torch.isfinite(ref)
+    failures = []
+    for cfg in scores_configs(HI) + [default_scores_config(HI)]:
+        buf = torch.full((n, T), 7.0, device="cuda")
+        keys = torch.zeros(n, T, dtype=torch.int64, device="cuda")
+        indexer_scores(q, k, w, seg, D ** -0.5, r0, n, buf, config=cfg)
+        indexer_scores(q, k, w, seg, D ** -0.5, r0, n, keys, config=cfg)
+        got, kk = buf[:, :r0 + n], keys[:, :r0 + n]
+        ok = (torch.equal(torch.isneginf(got), ~fin) and rel_err(got[fin], ref[fin]) < 1e-4
+              and bool((buf[:, r0 + n:] == 7.0).all()) and bool((keys[:, r0 + n:] == 0).all())
+              and torch.equal(kk == torch.iinfo(torch.int64).min, ~fin))
+        if not ok:
+            failures.append(str(cfg))
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.gpu

@@ -7,9 +7,14 @@
 
 The full [T, T] score matrix is never allocated: queries are processed in chunks of R rows, with R chosen
 so that one [R, width] buffer stays under `mem_cap_bytes` (width = last row of the chunk + 1, i.e. only the
-causally reachable keys). A Triton kernel fills the buffer, skipping the math for tiles entirely outside
-every row's [seg_start, t] window, then torch.topk picks each row's keys; they are sorted ascending with -1
-in the unused tail slots.
+causally reachable keys). A Triton kernel fills the buffer, then torch.topk picks each row's keys; they are
+sorted ascending with -1 in the unused tail slots.
+
+The score kernel is keys-major: a program keeps a tile of BLOCK_N keys in shared memory and walks its
+BLOCK_T query rows TOKS at a time (the per-step Q loads are async copies, pipelined by num_stages), so the
+MMA is S^T = K_tile @ Q_step^T with the keys on M and the TOKS x HI (row, head) pairs on N; the sum over heads
+then stays inside a thread quad of the wgmma accumulator. Rows that see none of the block's keys (before it
+causally, or whose document starts after it) only get the masked value stored, without any math.
 
 Ties go to the most recent key (docs/ops.md; ReLU scores tie at exactly 0 often). torch.topk does not order
 ties, so the buffer holds int64 sort keys instead of floats: (order-preserving int32 image of the fp32 score)
@@ -36,69 +41,109 @@ def _indexer_scores_kernel(
     Q, K, W, SEG, OUT,
     stride_qt, stride_qh, stride_kt, stride_wt, stride_wh, stride_or,
     row0, n_rows, width, HI, D, scale,
-    BLOCK_M: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, TOKS: tl.constexpr, BLOCK_HI: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, FILL_ROWS: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SORT_KEYS: tl.constexpr,
 ):
-    # One program: BLOCK_M query rows x BLOCK_N keys. The BLOCK_M * BLOCK_HI (query, head) pairs form the
-    # MMA M dimension (64 heads x 2 rows = 128), so the head reduction is a reshape + sum after the dot.
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < n_rows
-    t = row0 + offs_m
-    seg = tl.load(SEG + t, mask=m_ok, other=0)
-    n0 = tl.program_id(1) * BLOCK_N
+    # Keys-major. One program: keys [n0, n0 + BLOCK_N) x query rows [t0, t1). The key tile stays resident;
+    # a loop walks the rows TOKS at a time: S^T = K_tile @ Q^T is [BLOCK_N keys (MMA M), TOKS * BLOCK_HI
+    # (token, head) pairs (MMA N)], and the head reduction runs along N, i.e. inside a thread and its quad of
+    # the MMA accumulator layout (no shared-memory round trip). `scale` is >= 0 (the host folds its sign into
+    # k), so relu(scale * x) * w = relu(x) * (scale * w).
+    n0 = tl.program_id(0) * BLOCK_N
+    t0 = row0 + tl.program_id(1) * BLOCK_T
+    t1 = tl.minimum(t0 + BLOCK_T, row0 + n_rows)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    t_hi = tl.max(tl.where(m_ok, t, -1), 0)
-    seg_lo = tl.min(tl.where(m_ok, seg, 2147483647), 0)
-    score = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    if (n0 <= t_hi) & (n0 + BLOCK_N > seg_lo):
-        offs_mh = tl.arange(0, BLOCK_M * BLOCK_HI)
-        row = offs_mh // BLOCK_HI
-        head = offs_mh % BLOCK_HI
-        t_mh = (row0 + tl.program_id(0) * BLOCK_M + row).to(tl.int64)
-        mh_ok = ((tl.program_id(0) * BLOCK_M + row) < n_rows) & (head < HI)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        qt = tl.load(Q + t_mh[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                     mask=mh_ok[:, None] & d_ok[None, :], other=0.0)
-        kt = tl.load(K + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
-                     mask=(offs_n < width)[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:  # the interpreter cannot tl.dot bf16 (it multiplies the raw uint16 storage)
-            qt, kt = qt.to(tl.float32), kt.to(tl.float32)
-        w = tl.load(W + t_mh * stride_wt + head * stride_wh, mask=mh_ok, other=0.0).to(tl.float32)
-        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PREC)  # [BLOCK_M * BLOCK_HI, BLOCK_N] fp32
-        s = tl.maximum(s * scale, 0.0) * w[:, None]
-        sc = tl.sum(tl.reshape(s, [BLOCK_M, BLOCK_HI, BLOCK_N]), 1)
-        valid = (offs_n[None, :] >= seg[:, None]) & (offs_n[None, :] <= t[:, None])
-        score = tl.where(valid, sc, float("-inf"))
-    out_ptr = OUT + offs_m.to(tl.int64)[:, None] * stride_or + offs_n[None, :]
-    out_mask = m_ok[:, None] & (offs_n < width)[None, :]
+    n_ok = offs_n < width
+    # Rows [ta, tb) are computed. Rows before n0 see none of these keys (causal); tb is one past the last row
+    # whose window starts before the end of the key block. Rows of [ta, tb) are still masked elementwise, so
+    # only the skipping (not correctness) relies on seg_start being nondecreasing, as packed documents are.
+    ta = tl.minimum(tl.maximum(t0, n0), t1)
+    offs_tb = t0 + tl.arange(0, BLOCK_T)
+    seg_b = tl.load(SEG + offs_tb, mask=offs_tb < t1, other=2147483647)
+    tb = tl.max(tl.where((offs_tb >= ta) & (seg_b < n0 + BLOCK_N), offs_tb + 1, ta), 0)
+
+    # rows [t0, ta) and [tb, t1): every key of the block is masked
+    offs_f = tl.arange(0, FILL_ROWS)
     if SORT_KEYS:
-        score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0
-        bits = score.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: reverse magnitude order
-        key = (ordered.to(tl.int64) << 32) | offs_n.to(tl.int64)[None, :]
-        key = tl.where(score == float("-inf"), -9223372036854775807 - 1, key)  # masked: INT64_MIN
-        tl.store(out_ptr, key, mask=out_mask)
+        fill = tl.full([FILL_ROWS, BLOCK_N], -9223372036854775807 - 1, tl.int64)  # INT64_MIN
     else:
-        tl.store(out_ptr, score, mask=out_mask)
+        fill = tl.full([FILL_ROWS, BLOCK_N], float("-inf"), tl.float32)
+    for r in range(t0, ta, FILL_ROWS):
+        rows = r + offs_f
+        tl.store(OUT + tl.cast(r - row0, tl.int64) * stride_or + offs_f[:, None] * stride_or + offs_n[None, :],
+                 fill, mask=(rows < ta)[:, None] & n_ok[None, :])
+    for r in range(tb, t1, FILL_ROWS):
+        rows = r + offs_f
+        tl.store(OUT + tl.cast(r - row0, tl.int64) * stride_or + offs_f[:, None] * stride_or + offs_n[None, :],
+                 fill, mask=(rows < t1)[:, None] & n_ok[None, :])
+
+    offs_p = tl.arange(0, TOKS * BLOCK_HI)  # (token, head) pairs
+    tok = offs_p // BLOCK_HI
+    head = offs_p % BLOCK_HI
+    h_ok = head < HI
+    offs_d = tl.arange(0, BLOCK_D)
+    if EVEN_D:  # no mask along D: a runtime-D mask would defeat the 16-byte (async) copies of Q and K
+        d_ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        d_ok = offs_d < D
+    kt = tl.load(K + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                 mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:  # the interpreter cannot tl.dot bf16 (it multiplies the raw uint16 storage)
+        kt = kt.to(tl.float32)
+    offs_g = tl.arange(0, TOKS)
+    for t in range(ta, tb, TOKS):
+        t64 = tl.cast(t, tl.int64)
+        p_ok = ((t + tok) < tb) & h_ok
+        qt = tl.load(Q + t64 * stride_qt + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                     mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+        w = tl.load(W + t64 * stride_wt + tok * stride_wt + head * stride_wh, mask=p_ok, other=0.0)
+        tt = t + offs_g
+        t_ok = tt < tb
+        seg = tl.load(SEG + tt, mask=t_ok, other=0)
+        if UPCAST:
+            qt = qt.to(tl.float32)
+        s = tl.dot(kt, tl.trans(qt), input_precision=DOT_PREC)  # [BLOCK_N, TOKS * BLOCK_HI] fp32
+        s = tl.maximum(s, 0.0) * (w.to(tl.float32) * scale)[None, :]
+        sc = tl.sum(tl.reshape(s, [BLOCK_N, TOKS, BLOCK_HI]), 2)  # [BLOCK_N, TOKS]
+        valid = (offs_n[:, None] >= seg[None, :]) & (offs_n[:, None] <= tt[None, :])
+        score = tl.where(valid, sc, float("-inf"))
+        out_ptr = OUT + tl.cast(t - row0, tl.int64) * stride_or + offs_g[None, :] * stride_or + offs_n[:, None]
+        out_mask = n_ok[:, None] & t_ok[None, :]
+        if SORT_KEYS:
+            score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0
+            bits = score.to(tl.int32, bitcast=True)
+            ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: reverse magnitude order
+            key = (ordered.to(tl.int64) << 32) | offs_n.to(tl.int64)[:, None]
+            key = tl.where(score == float("-inf"), -9223372036854775807 - 1, key)  # masked: INT64_MIN
+            tl.store(out_ptr, key, mask=out_mask)
+        else:
+            tl.store(out_ptr, score, mask=out_mask)
+
+
+def _toks(HI: int, n: int = 128) -> int:
+    """Query rows per loop step: TOKS x next_pow2(HI) (token, head) pairs make an MMA N of n (>= 16)."""
+    return max(1, n // next_pow2(max(HI, 1)))
 
 
 def default_scores_config(HI: int, on_gpu: bool = True) -> dict:
-    """2 query rows x 64 heads = 128 MMA rows, 128 keys, K = 128: one wgmma tile per warpgroup pair."""
-    bhi = next_pow2(max(HI, 1))
-    bm = max(1, (128 if on_gpu else 16) // bhi)
-    return dict(BLOCK_M=bm, BLOCK_N=128 if on_gpu else 16, num_warps=8 if on_gpu else 4,
-                num_stages=2 if on_gpu else 1)
+    """128 keys (2 warpgroups x 64 MMA rows) x 2 query rows of 64 heads (MMA N = 128) per step, K = 128."""
+    if not on_gpu:  # interpreter: small tiles, so tests cover several programs, loop steps and skips
+        return dict(BLOCK_N=16, BLOCK_T=8, TOKS=_toks(HI, 16), num_warps=4, num_stages=1)
+    return dict(BLOCK_N=128, BLOCK_T=128, TOKS=_toks(HI), num_warps=8, num_stages=2)
 
 
 def scores_configs(HI: int) -> list[dict]:
-    bhi = next_pow2(max(HI, 1))
-    bm = max(1, 128 // bhi)
+    """sm90, HI = 64, D = 128, bf16 (ptxas: registers / shared memory / CTAs per SM, no spills):
+    128 keys x 2 rows (N 128), 8 warps: 164 regs, 98 KiB, 1 CTA; 128 keys x 1 row (N 64): 79 regs, 81 KiB, 2;
+    256 keys x 1 row: 127 regs, 98 KiB, 2 (half the Q traffic per FLOP); 64 keys x 2 rows, 4 warps: 125 regs,
+    81 KiB, 2. The MMA result is consumed in the same step (wgmma wait 0), so the epilogue overlaps the
+    tensor cores only across CTAs."""
     return [
-        dict(BLOCK_M=bm, BLOCK_N=128, num_warps=8, num_stages=2),
-        dict(BLOCK_M=bm, BLOCK_N=64, num_warps=4, num_stages=3),
-        dict(BLOCK_M=bm, BLOCK_N=128, num_warps=4, num_stages=2),
-        dict(BLOCK_M=max(1, 64 // bhi), BLOCK_N=128, num_warps=4, num_stages=3),
+        dict(BLOCK_N=128, BLOCK_T=128, TOKS=_toks(HI), num_warps=8, num_stages=2),
+        dict(BLOCK_N=128, BLOCK_T=128, TOKS=_toks(HI, 64), num_warps=8, num_stages=3),
+        dict(BLOCK_N=256, BLOCK_T=128, TOKS=_toks(HI, 64), num_warps=8, num_stages=2),
+        dict(BLOCK_N=64, BLOCK_T=128, TOKS=_toks(HI), num_warps=4, num_stages=2),
     ]
 
 
@@ -143,21 +188,26 @@ def indexer_scores(
             or out.dtype not in (torch.float32, torch.int64)):
         raise ValueError(f"indexer_scores: out must be fp32 or int64 [>= {n_rows}, >= {width}] with unit key "
                          f"stride, got {out.dtype} {tuple(out.shape)}")
+    if scale < 0:  # relu(scale * q.k) = |scale| relu(q.(-k)) exactly; the kernel folds scale into w
+        k, scale = -k, -scale
     args = (q, k, w, seg_start, out,
             q.stride(0), q.stride(1), k.stride(0), w.stride(0), w.stride(1), out.stride(0),
             row0, n_rows, width, HI, D, float(scale))
     meta = dict(BLOCK_HI=next_pow2(max(HI, 1)), BLOCK_D=next_pow2(max(D, 16)),
+                EVEN_D=D == next_pow2(max(D, 16)), FILL_ROWS=8,
                 DOT_PREC="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
                 UPCAST=interpreting() and q.dtype != torch.float32, SORT_KEYS=out.dtype == torch.int64)
+    if n_rows <= 0:
+        return out
     use_tune = config is None and autotune_enabled(q)
     if use_tune:
         kernel = _autotuned_scores(tuple(tuple(sorted(c.items())) for c in scores_configs(HI)))
-        launch(kernel, lambda m: (triton.cdiv(n_rows, m["BLOCK_M"]), triton.cdiv(width, m["BLOCK_N"])),
-                *args, **meta)
+        launch(kernel, lambda m: (triton.cdiv(width, m["BLOCK_N"]), triton.cdiv(n_rows, m["BLOCK_T"])),
+               *args, **meta)
     else:
         c = dict(config or default_scores_config(HI, on_gpu=q.is_cuda and not interpreting()))
-        launch(_indexer_scores_kernel, (triton.cdiv(n_rows, c["BLOCK_M"]), triton.cdiv(width, c["BLOCK_N"])),
-                *args, **meta, **c)
+        launch(_indexer_scores_kernel, (triton.cdiv(width, c["BLOCK_N"]), triton.cdiv(n_rows, c["BLOCK_T"])),
+               *args, **meta, **c)
     return out
 
 
