@@ -321,14 +321,15 @@ def _indexer_inputs(T=40, HI=4, D=16, w_dtype=torch.float32, dtype=torch.float32
     return q, k, w
 
 
+@pytest.mark.parametrize("select", ["threshold", "sort_keys"])
 @pytest.mark.parametrize("cap_rows", [None, 7])
-def test_indexer_topk_docs_and_chunks(ik, cap_rows):
+def test_indexer_topk_docs_and_chunks(ik, cap_rows, select):
     """Several documents; one chunk, or 7-row chunks (the cap forces 6 chunks of growing width)."""
     T, topk = 40, 8
     q, k, w = _indexer_inputs(T)
     seg = doc_seg_start(T, [11, 12, 30])  # includes a one-token document
     cap = (1 << 30) if cap_rows is None else 4 * T * cap_rows
-    idx = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, 0.5, mem_cap_bytes=cap)
+    idx = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, 0.5, mem_cap_bytes=cap, select=select)
     scores = ref_indexer_scores(q, k, w, seg, 0.5)
     assert_topk_valid(idx, scores, topk, tol=1e-5)
     assert torch.equal(idx, ref_indexer_topk(scores, topk))  # no near-ties at this seed
@@ -336,7 +337,8 @@ def test_indexer_topk_docs_and_chunks(ik, cap_rows):
     assert (idx[0, 1:] == -1).all() and idx[0, 0] == 0
 
 
-def test_indexer_topk_ties_go_to_most_recent(ik):
+@pytest.mark.parametrize("select", ["threshold", "sort_keys"])
+def test_indexer_topk_ties_go_to_most_recent(ik, select):
     """Exact ties (ReLU zeros, signed zeros) pick the most recent keys, as docs/ops.md requires."""
     T, topk = 40, 6
     q, k, w = _indexer_inputs(T, seed=6)
@@ -346,7 +348,7 @@ def test_indexer_topk_ties_go_to_most_recent(ik):
     k[25] = -k[25]
     k[31] = -k[31]
     seg = doc_seg_start(T, [8, 30])
-    idx = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, 0.5)
+    idx = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, 0.5, select=select)
     scores = ref_indexer_scores(q, k, w, seg, 0.5, torch.float32)
     assert torch.equal(idx, ref_indexer_topk(scores, topk))
     ar = torch.arange(T)
@@ -632,6 +634,8 @@ def test_gpu_indexer_topk_k3():
     for cap in (1 << 30, 16 << 20):  # one chunk; 1024-row chunks
         idx = indexer_topk(q, k, w, seg, topk, D ** -0.5, mem_cap_bytes=cap)
         assert_topk_valid(idx, scores, topk, tol=tol)
+        # the same fp32 scores, the other selection: identical picks, ties included
+        assert torch.equal(idx, indexer_topk(q, k, w, seg, topk, D ** -0.5, mem_cap_bytes=cap, select="sort_keys"))
 
 
 @pytest.mark.gpu

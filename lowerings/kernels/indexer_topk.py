@@ -16,11 +16,14 @@ MMA is S^T = K_tile @ Q_step^T with the keys on M and the TOKS x HI (row, head) 
 then stays inside a thread quad of the wgmma accumulator. Rows that see none of the block's keys (before it
 causally, or whose document starts after it) only get the masked value stored, without any math.
 
-Ties go to the most recent key (docs/ops.md; ReLU scores tie at exactly 0 often). torch.topk does not order
-ties, so the buffer holds int64 sort keys instead of floats: (order-preserving int32 image of the fp32 score)
-<< 32 | key index, with INT64_MIN for masked keys. The largest keys are then exactly the highest scores,
-most recent first among equal scores, and the index is read back from the low 32 bits. (-0.0 is folded into
-+0.0 first so signed zeros tie.) indexer_scores can also write plain fp32 scores, for tests and debugging.
+Ties go to the most recent key (docs/ops.md; ReLU scores tie at exactly 0 often), and torch.topk does not
+order ties. Two ways to keep the rule (`select=`):
+* "threshold" (default): the buffer holds fp32 scores; torch.topk only supplies each row's k-th value, and
+  lowerings/kernels/topk_select.py keeps every key above it plus the most recent keys equal to it, writing
+  them ascending (no sort). Half the bytes of the int64 keys, and fp32 radix passes.
+* "sort_keys": the buffer holds int64 sort keys, (order-preserving int32 image of the fp32 score) << 32 |
+  key index, INT64_MIN for masked keys, so the largest keys are the highest scores, most recent first; the
+  index is read back from the low 32 bits and sorted. (-0.0 is folded into +0.0 so signed zeros tie.)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .launch import autotune_enabled, interpreting, launch, next_pow2
+from .topk_select import select_topk_by_threshold
 
 __all__ = ["indexer_topk", "indexer_scores", "default_scores_config", "scores_configs"]
 
@@ -221,11 +225,17 @@ def indexer_topk(
     *,
     mem_cap_bytes: int = 1 << 30,
     config: dict | None = None,
+    select: str = "threshold",
 ) -> torch.Tensor:
     """Indexer top-k: idx [T, min(topk, T)] int32, each row's chosen keys ascending, -1 in unused slots.
 
     Rows with <= topk valid keys return all of them; among equal scores the most recent key wins.
-    `mem_cap_bytes` bounds the int64 key buffer of one row chunk (torch.topk needs workspace on top)."""
+    `mem_cap_bytes` bounds the score buffer of one row chunk (torch.topk needs workspace on top).
+    `select`: "threshold" (default) = fp32 scores, torch.topk for each row's k-th value, then
+    lowerings/kernels/topk_select.py writes the chosen keys ascending; "sort_keys" = int64 sort keys
+    (score image << 32 | key), torch.topk on them and a sort. Same result; the first moves half the bytes."""
+    if select not in ("threshold", "sort_keys"):
+        raise ValueError(f"indexer_topk: select={select!r}; valid: 'threshold', 'sort_keys'")
     _check(q, k, w, seg_start, topk)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -235,16 +245,23 @@ def indexer_topk(
     idx = torch.full((T, kk), -1, dtype=torch.int32, device=q.device)
     if T == 0:
         return idx
-    rows = max(1, min(T, int(mem_cap_bytes) // (8 * T)))
-    buf = torch.empty(rows, T, dtype=torch.int64, device=q.device)
+    sort_keys = select == "sort_keys"
+    elem = 8 if sort_keys else 4
+    rows = max(1, min(T, int(mem_cap_bytes) // (elem * T)))
+    buf = torch.empty(rows, T, dtype=torch.int64 if sort_keys else torch.float32, device=q.device)
     masked = torch.iinfo(torch.int64).min
     for r0 in range(0, T, rows):
         n = min(rows, T - r0)
         width = r0 + n
-        keys = indexer_scores(q, k, w, seg_start, scale, r0, n, buf[:n, :width], config=config)
+        scores = indexer_scores(q, k, w, seg_start, scale, r0, n, buf[:n, :width], config=config)
         kc = min(kk, width)
-        top = torch.topk(keys, kc, dim=1, sorted=False).values
-        # masked picks (row has fewer than kc valid keys) go past every real index, then become -1
-        sel = torch.where(top == masked, width, top & 0xFFFFFFFF).sort(dim=1).values
-        idx[r0:width, :kc] = torch.where(sel == width, -1, sel).to(torch.int32)
+        top = torch.topk(scores, kc, dim=1, sorted=False).values
+        if sort_keys:
+            # masked picks (row has fewer than kc valid keys) go past every real index, then become -1
+            sel = torch.where(top == masked, width, top & 0xFFFFFFFF).sort(dim=1).values
+            idx[r0:width, :kc] = torch.where(sel == width, -1, sel).to(torch.int32)
+        else:
+            # keys after t are masked anyway: each row reads only its causal prefix [0, t]
+            row_end = torch.arange(r0 + 1, width + 1, dtype=torch.int32, device=q.device)
+            select_topk_by_threshold(scores, top.min(dim=1).values, row_end, idx[r0:width, :kc])
     return idx
