@@ -303,6 +303,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "start-up are not charged to the first mode (default: on with CUDA)")
     parser.add_argument("--cache", choices=("fresh", "warm"), default="fresh",
                         help="Inductor/Triton caches per mode: fresh = empty (cold compile), warm = the environment's")
+    parser.add_argument("--dump-fla-configs", type=Path, default=None, metavar="DIR",
+                        help="after the warm-up, write FLA's tuned kernel configs here (lowerings/kernels/fla_config_cache.py)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (which needs matplotlib)")
     parser.add_argument("--append", action="store_true", help="merge into an existing results.json")
     parser.add_argument("--lr-warmup-steps", type=int, default=0,
@@ -335,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     if opts.warmup if opts.warmup is not None else device.type == "cuda":
         setup["warmup_s"] = warmup(opts, device)
         print(f"[ablate] eager warm-up step (kernel autotuning): {setup['warmup_s']:.1f}s", flush=True)
+    if opts.dump_fla_configs is not None and "fla" in sys.modules:
+        from lowerings.kernels.fla_config_cache import dump_fla_configs
+
+        n = dump_fla_configs(opts.dump_fla_configs)
+        print(f"[ablate] wrote {n} FLA config entries to {opts.dump_fla_configs}", flush=True)
     # Eager first: it is the loss reference, and it runs without any compile state around.
     order = sorted(opts.mode_list, key=lambda m: m != "none")
     runs = [run_mode(opts, mode, device) for mode in order]
