@@ -308,3 +308,23 @@ def test_tune_script_shapes(clean_env, capsys):
         assert script.main(["--no-check"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
         assert "FLA_CACHE_MODE" not in os.environ
+
+
+def test_shipped_h200_configs_are_valid():
+    """The configs in the repository (tuned on an H200 at the k31_small KDA shapes) are in FLA's format, each
+    entry's hash is the hash of its key, and the H200 directory is what a user's H200 selects."""
+    root = Path(fcc.__file__).parent / "fla_configs" / "NVIDIA_H200"
+    files = sorted(root.glob("*.json"))
+    assert len(files) >= 10, files
+    assert fcc.shipped_config_dir("NVIDIA H200") == root
+    cache = fla_cache_module()
+    for path in files:
+        data = read(path)
+        assert data["kernel_name"] == path.stem and data["autotune_entries"], path
+        for h, entry in data["autotune_entries"].items():
+            cfg = entry["config"]
+            assert isinstance(cfg["kwargs"], dict) and cfg["num_warps"] in (1, 2, 4, 8, 16, 32), (path, cfg)
+            if cache is not None:
+                assert cache.AutotuneKey.key_hash(tuple(entry["autotune_key"])) == h
+        if cache is not None:
+            assert cache.KernelConfigFile.from_dict(path, data) is not None
