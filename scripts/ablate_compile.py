@@ -55,7 +55,8 @@ from titan_kimi.parallel.layout import resolve_layout  # noqa: E402
 from titan_kimi.training.build import model_args_from_config  # noqa: E402
 
 KERNEL_OPS = ("kda", "indexer", "sparse_mla", "situ_glu", "attn_res_mix")
-SETUP_KEYS = ("flavor", "config", "steps", "seq_len", "batch", "n_layers", "overrides", "device", "cache")
+SETUP_KEYS = ("flavor", "config", "steps", "seq_len", "batch", "n_layers", "overrides", "device", "cache",
+              "lr_warmup_steps")
 
 
 def parse_modes(text: str) -> list[str]:
@@ -197,7 +198,11 @@ def add_loss_diffs(runs: list[dict[str, Any]]) -> None:
         if eager is None or "losses" not in r:
             r["max_abs_dloss"] = None
             continue
-        r["max_abs_dloss"] = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"]))
+        pairs = list(zip(r["losses"], eager["losses"]))
+        r["max_abs_dloss"] = max(abs(a - b) for a, b in pairs)
+        # relative: the curves fall by >10x, so one absolute bound says little about the late steps
+        r["max_rel_dloss"] = max(abs(a - b) / abs(b) for a, b in pairs if b)
+        r["step1_rel_dloss"] = abs(pairs[0][0] - pairs[0][1]) / abs(pairs[0][1]) if pairs[0][1] else None
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -208,8 +213,9 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
-COLUMNS = ("mode", "tokens/s", "step s", "first step s", "compile s", "dynamo s", "peak GiB", "graphs",
-           "breaks", "recompiles", "SiTU-GLU rewrites", "max \\|dloss\\| vs eager")
+COLUMNS = ("mode", "tokens/s", "speed-up", "step s", "first step s", "compile s", "dynamo s", "peak GiB", "graphs",
+           "breaks", "recompiles", "SiTU-GLU rewrites", "max \\|dloss\\| vs eager", "max rel dloss",
+           "step-1 rel dloss")
 
 
 def markdown(setup: dict[str, Any], runs: list[dict[str, Any]]) -> str:
@@ -218,17 +224,22 @@ def markdown(setup: dict[str, Any], runs: list[dict[str, Any]]) -> str:
         f"Compile-mode ablation: `{setup['flavor']}`"
         + (f" ({setup['n_layers']} layers)" if setup["n_layers"] else "")
         + f", {setup['steps']} steps of {setup['batch']} x {setup['seq_len']} tokens on {setup['device_name']}"
-        f" (torch {setup['torch']}, triton {setup['triton']}); peak GiB = {memory}.", "",
+        f" (torch {setup['torch']}, triton {setup['triton']}); LR warm-up {setup.get('lr_warmup_steps', 0)} steps;"
+        f" {setup.get('cache', 'fresh')} Inductor caches; peak GiB = {memory}; speed-up = tokens/s over `none`.", "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
     ]
+    eager_tps = next((r["tokens_per_s"] for r in runs if r["mode"] == "none" and "error" not in r), None)
     for r in runs:
         if "error" in r:
             lines.append(f"| {r['mode']} | failed: {r['error'].replace('|', '/')} |" + " |" * (len(COLUMNS) - 2))
             continue
-        cells = [r["mode"], _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["step_time_s"], ".4f"),
+        speedup = r["tokens_per_s"] / eager_tps if eager_tps and r.get("tokens_per_s") else None
+        cells = [r["mode"], _fmt(r["tokens_per_s"], ",.0f"), _fmt(speedup, ".2f") + ("x" if speedup else ""),
+                 _fmt(r["step_time_s"], ".4f"),
                  _fmt(r["first_step_s"], ".2f"), _fmt(r["compile_s"], ".2f"), _fmt(r["dynamo_s"], ".2f"),
                  _fmt(r["peak_mem_gib"], ".2f"), str(r["graphs"]), str(r["graph_breaks"]), str(r["recompiles"]),
-                 str(r["situ_glu_rewrites"]), _fmt(r["max_abs_dloss"], ".3g")]
+                 str(r["situ_glu_rewrites"]), _fmt(r["max_abs_dloss"], ".3g"), _fmt(r.get("max_rel_dloss"), ".3g"),
+                 _fmt(r.get("step1_rel_dloss"), ".2g")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -297,7 +308,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--n-layers", type=int, default=0, help="train a shorter stack of the flavor (0 = all)")
     parser.add_argument("--modes", default=",".join(compile_mode_names()))
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (required unless --replot)")
+    parser.add_argument("--replot", type=Path, default=None, metavar="DIR",
+                        help="only rewrite DIR/results.md and DIR/results.png from DIR/results.json (e.g. off the GPU)")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                         help="first an untimed eager step and a tiny compile, so kernel autotuning and Inductor "
                              "start-up are not charged to the first mode (default: on with CUDA)")
@@ -312,6 +325,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     split = argv.index("--") if "--" in argv else len(argv)  # after "--": job-config overrides
     opts = parser.parse_args(argv[:split])
     opts.overrides = argv[split + 1:]
+    if opts.replot is None and opts.out is None:
+        parser.error("--out is required (or --replot DIR)")
     if opts.steps < 2:
         parser.error(f"--steps {opts.steps}: need at least 2 (the first step is compile + warm-up)")
     for name in ("seq_len", "batch"):
@@ -324,14 +339,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return opts
 
 
+def replot(folder: Path, plot_png: bool = True) -> int:
+    """Rewrite results.md (and results.png) from an existing results.json."""
+    path = folder / "results.json"
+    if not path.is_file():
+        raise ValueError(f"--replot {folder}: no results.json there")
+    data = json.loads(path.read_text())
+    add_loss_diffs(data["runs"])
+    table = markdown(data["setup"], data["runs"])
+    (folder / "results.md").write_text(table)
+    print(table)
+    if plot_png:
+        plot(folder / "results.png", data["setup"], data["runs"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(sys.argv[1:] if argv is None else argv)
+    if opts.replot is not None:
+        return replot(opts.replot, plot_png=not opts.no_plot)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     opts.out.mkdir(parents=True, exist_ok=True)
     setup = {
         "flavor": opts.flavor, "config": opts.recipe, "steps": opts.steps, "seq_len": opts.seq_len,
         "batch": opts.batch, "n_layers": opts.n_layers, "overrides": opts.overrides, "device": str(device),
-        "cache": opts.cache,
+        "cache": opts.cache, "lr_warmup_steps": opts.lr_warmup_steps,
         "modes": opts.mode_list, **environment(device),
     }
     if opts.warmup if opts.warmup is not None else device.type == "cuda":

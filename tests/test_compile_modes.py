@@ -176,7 +176,15 @@ def test_ablation_script_writes_table_and_json(tmp_path):
     for r in runs.values():
         assert len(r["losses"]) == 3 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["compile_s"] >= 0
     table = (out / "results.md").read_text()
-    assert "| mode | tokens/s |" in table and "\n| default | " in table and "\n| none | " in table
+    assert "| mode | tokens/s | speed-up |" in table and "\n| default | " in table
+    assert "| 1.00x |" in next(line for line in table.splitlines() if line.startswith("| none |"))
+    assert result["setup"]["lr_warmup_steps"] == 0 and compiled["step1_rel_dloss"] < 1e-4
+    # --replot rebuilds the table from results.json alone (e.g. after fetching it from the GPU machine)
+    (out / "results.md").unlink()
+    assert ablate_compile.main(["--replot", str(out), "--no-plot"]) == 0
+    assert (out / "results.md").read_text() == table
+    with pytest.raises(ValueError, match="no results.json"):
+        ablate_compile.main(["--replot", str(tmp_path), "--no-plot"])
 
 
 def test_ablation_plot_needs_matplotlib(tmp_path, monkeypatch):
