@@ -2,6 +2,7 @@
 
     python scripts/bench_dsa_layer.py --T 8192 16384 32768 [--reps 5] [--out dsa.json]
     python scripts/bench_dsa_layer.py --tiny --T 256      # smoke test on CPU with a tiny layer
+    python scripts/bench_dsa_layer.py --T 32768 --compile # both paths under torch.compile (the default mode)
 
 The layer is the model's GatedMLA with the K3.1 geometry (hidden 7168, 96 heads, q-LoRA 1536, kv latent 512,
 nope 128 + rope 64, v 128, indexer 64 x 128, top-k 2048), bf16. "dsa" runs it as the model does (indexer top-k,
@@ -14,6 +15,7 @@ forward + backward (gradients of the input and every trained weight), and peak m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -22,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from lowerings.inductor.modes import compile_mode
 from lowerings.ops import configure_backends
 from titan_kimi.models.kimi_k3 import build_sequence_info, model_args_for
 from titan_kimi.models.kimi_k3.mla import GatedMLA
@@ -68,6 +71,8 @@ def main() -> int:
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="the k31_debug layer geometry (CPU smoke test)")
+    parser.add_argument("--compile", action="store_true",
+                        help="run both paths under torch.compile (compile mode `default`; the first call compiles)")
     parser.add_argument("--out", default="")
     opts = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,11 +96,20 @@ def main() -> int:
         seq = build_sequence_info(1, T, device)
         indices = mla.indexer(x, mla.q_a_layernorm(mla.q_a_proj(x)), seq)
 
+        layer, plain, scope = mla, dense_masked, contextlib.nullcontext
+        if opts.compile:  # fresh graphs per T: static shapes, as a training run at one sequence length sees
+            torch._dynamo.reset()
+            mode = compile_mode("default")
+            layer, plain = torch.compile(mla, **mode.compile_options()), torch.compile(dense_masked, **mode.compile_options())
+            scope = mode.lowering_scope
+
         def dsa():
-            torch.autograd.grad(mla(x, seq), [x, *params], grad)
+            with scope():
+                torch.autograd.grad(layer(x, seq), [x, *params], grad)
 
         def reference():
-            torch.autograd.grad(dense_masked(mla, x, indices), [x, *params], grad)
+            with scope():
+                torch.autograd.grad(plain(mla, x, indices), [x, *params], grad)
 
         with torch.no_grad():
             expected = dense_masked(mla, x, indices).float()
@@ -104,7 +118,7 @@ def main() -> int:
         ms_dsa, mem_dsa = measure(dsa, opts.reps, device)
         ms_ref, mem_ref = measure(reference, opts.reps, device)
         for path, ms, mem in (("dsa", ms_dsa, mem_dsa), ("dense_masked", ms_ref, mem_ref)):
-            rows.append(dict(T=T, path=path, ms=ms, peak_mib=mem, rel_diff=check))
+            rows.append(dict(T=T, path=path, ms=ms, peak_mib=mem, rel_diff=check, compiled=opts.compile))
         print(f"| {T} | dsa | {ms_dsa:.2f} | {mem_dsa:.0f} | {ms_ref / ms_dsa:.2f}x |")
         print(f"| {T} | dense_masked | {ms_ref:.2f} | {mem_ref:.0f} | 1.00x |  (outputs differ by {check:.2e} rel)")
     if opts.out:

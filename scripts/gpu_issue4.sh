@@ -28,6 +28,8 @@ step bench_kernels $?; grep -E "^\| (sparse_mla|indexer)" "$OUT/bench_kernels.md
 
 timeout 100 python3 scripts/bench_dsa_layer.py --T 8192 16384 32768 --reps 3 --out "$OUT/dsa.json" > "$OUT/dsa.md" 2>&1
 step dsa $?; grep -E "^\| [0-9]" "$OUT/dsa.md"
+timeout 90 python3 scripts/bench_dsa_layer.py --T 32768 --reps 3 --compile --out "$OUT/dsa_compiled.json" > "$OUT/dsa_compiled.md" 2>&1
+step dsa_compiled $?; grep -E "^\| [0-9]" "$OUT/dsa_compiled.md"
 
 TITAN_KIMI_TRITON_AUTOTUNE=0 timeout 200 python3 scripts/ablate_compile.py --flavor k31_small --seq-len 8192 \
   --batch 1 --steps 20 --lr-warmup-steps 5 --modes none,default,inductor --out "$OUT/ablate" --cache warm \
