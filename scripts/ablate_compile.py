@@ -149,6 +149,21 @@ def inductor_caches(kind: str) -> contextlib.AbstractContextManager:
     return fresh()
 
 
+def profile_step(trainer, device: torch.device, path: Path) -> None:
+    """One more training step under torch.profiler (after the measured ones, compiled and warm): the kernels
+    by total device time, to see where a mode spends its step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step(iter(trainer.dataloader))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=50, max_name_column_width=80) + "\n")
+    print(f"[ablate] profile of one step -> {path}", flush=True)
+
+
 def run_mode(opts: argparse.Namespace, mode: str, device: torch.device) -> dict[str, Any]:
     torch._dynamo.reset()
     counters.clear()
@@ -161,6 +176,8 @@ def run_mode(opts: argparse.Namespace, mode: str, device: torch.device) -> dict[
             try:
                 trainer.train()
                 history = list(trainer.metrics.history)
+                if opts.profile:
+                    profile_step(trainer, device, opts.out / f"profile_{mode}.txt")
             finally:
                 trainer.close()
                 del trainer
@@ -318,6 +335,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="Inductor/Triton caches per mode: fresh = empty (cold compile), warm = the environment's")
     parser.add_argument("--dump-fla-configs", type=Path, default=None, metavar="DIR",
                         help="after the warm-up, write FLA's tuned kernel configs here (lowerings/kernels/fla_config_cache.py)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each mode's steps, profile one more step into OUT/profile_<mode>.txt")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG (which needs matplotlib)")
     parser.add_argument("--append", action="store_true", help="merge into an existing results.json")
     parser.add_argument("--lr-warmup-steps", type=int, default=0,

@@ -33,5 +33,5 @@ step dsa_compiled $?; grep -E "^\| [0-9]" "$OUT/dsa_compiled.md"
 
 TITAN_KIMI_TRITON_AUTOTUNE=0 timeout 200 python3 scripts/ablate_compile.py --flavor k31_small --seq-len 8192 \
   --batch 1 --steps 20 --lr-warmup-steps 5 --modes none,default,inductor --out "$OUT/ablate" --cache warm \
-  --no-plot --warmup > "$OUT/ablate.log" 2>&1
+  --no-plot --warmup --profile > "$OUT/ablate.log" 2>&1
 step ablate $?; rm -rf "$OUT/ablate/runs"; cat "$OUT/ablate/results.md" 2>/dev/null

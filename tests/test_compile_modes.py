@@ -163,7 +163,8 @@ def test_apply_compile_holds_the_mode_during_the_model_forward_only():
 def test_ablation_script_writes_table_and_json(tmp_path):
     out = tmp_path / "ablate"
     argv = ["--flavor", "k31_debug", "--steps", "3", "--seq-len", "16", "--batch", "1", "--n-layers", "1",
-            "--modes", "none,default", "--out", str(out), "--no-plot", "--", "--training.mixed_precision", "false"]
+            "--modes", "none,default", "--out", str(out), "--no-plot", "--profile", "--",
+            "--training.mixed_precision", "false"]
     assert ablate_compile.main(argv) == 0
     result = json.loads((out / "results.json").read_text())
     runs = {r["mode"]: r for r in result["runs"]}
@@ -178,6 +179,8 @@ def test_ablation_script_writes_table_and_json(tmp_path):
     table = (out / "results.md").read_text()
     assert "| mode | tokens/s | speed-up |" in table and "\n| default | " in table
     assert "| 1.00x |" in next(line for line in table.splitlines() if line.startswith("| none |"))
+    for mode in ("none", "default"):  # --profile: one extra profiled step per mode, kernels by time
+        assert "Self CPU" in (out / f"profile_{mode}.txt").read_text()
     assert result["setup"]["lr_warmup_steps"] == 0 and compiled["step1_rel_dloss"] < 1e-4
     # --replot rebuilds the table from results.json alone (e.g. after fetching it from the GPU machine)
     (out / "results.md").unlink()
