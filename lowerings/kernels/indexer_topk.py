@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import autotune_enabled, interpreting, launch, next_pow2
+from .launch import autotune_enabled, config_key, interpreting, launch, make_autotuner, next_pow2
 from .topk_select import select_topk_by_threshold
 
 __all__ = ["indexer_topk", "indexer_scores", "default_scores_config", "scores_configs"]
@@ -155,12 +155,7 @@ def scores_configs(HI: int) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def _autotuned_scores(cfg_key: tuple):
-    configs = [
-        triton.Config({k: v for k, v in c if not k.startswith("num_")},
-                      num_warps=dict(c)["num_warps"], num_stages=dict(c)["num_stages"])
-        for c in cfg_key
-    ]
-    return triton.autotune(configs=configs, key=["HI", "D"])(_indexer_scores_kernel)
+    return make_autotuner(_indexer_scores_kernel, cfg_key, ["HI", "D"])
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int) -> None:
@@ -207,7 +202,7 @@ def indexer_scores(
         return out
     use_tune = config is None and autotune_enabled(q)
     if use_tune:
-        kernel = _autotuned_scores(tuple(tuple(sorted(c.items())) for c in scores_configs(HI)))
+        kernel = _autotuned_scores(config_key(scores_configs(HI)))
         launch(kernel, lambda m: (triton.cdiv(width, m["BLOCK_N"]), triton.cdiv(n_rows, m["BLOCK_T"])),
                *args, **meta)
     else:

@@ -31,3 +31,27 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:
         kernel[grid](*args, **kwargs)
+
+
+def dedup_configs(cfgs: list[dict]) -> list[dict]:
+    """Drop repeated config dicts (a size-derived config can coincide with a fixed one), keeping the order."""
+    out, seen = [], set()
+    for c in cfgs:
+        key = tuple(sorted(c.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def config_key(cfgs: list[dict]) -> tuple:
+    """A hashable form of a config list (the argument of the lru-cached autotuner factories)."""
+    return tuple(tuple(sorted(c.items())) for c in cfgs)
+
+
+def make_autotuner(kernel, cfg_key: tuple, key: list[str], **kwargs):
+    """``triton.autotune`` over ``cfg_key`` (see `config_key`): ``num_warps`` / ``num_stages`` go to the
+    Config, every other entry is a kernel meta-parameter. ``kwargs`` reach triton.autotune (e.g. reset_to_zero)."""
+    configs = [triton.Config({k: v for k, v in c if not k.startswith("num_")},
+                             num_warps=dict(c)["num_warps"], num_stages=dict(c)["num_stages"]) for c in cfg_key]
+    return triton.autotune(configs=configs, key=key, **kwargs)(kernel)

@@ -29,16 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparse_mla_fwd import (
-    autotune_enabled,
-    check_sparse_mla_inputs,
-    dot_precision,
-    interpreting,
-    launch,
-    next_pow2,
-    row_extent,
-    upcast_dots,
-)
+from .launch import autotune_enabled, config_key, dedup_configs, interpreting, launch, make_autotuner, next_pow2
+from .sparse_mla_fwd import check_sparse_mla_inputs, dot_precision, row_extent, upcast_dots
 
 __all__ = [
     "sparse_mla_backward",
@@ -209,7 +201,7 @@ def dq_configs(H: int) -> list[dict]:
     # sm90 AOT compile (96 heads): 32/64/w4/s2 uses 225 KB shared memory and 255 registers with ~0.5 KB of
     # spills; the 16-head block barely spills but doubles the kv gathers.
     bh = _head_block(H)
-    return _dedup([
+    return dedup_configs([
         dict(BLOCK_H=bh, BLOCK_N=64, num_warps=4, num_stages=2),
         dict(BLOCK_H=bh, BLOCK_N=64, num_warps=8, num_stages=2),
         dict(BLOCK_H=bh, BLOCK_N=32, num_warps=4, num_stages=3),
@@ -228,7 +220,7 @@ def default_dkv_config(on_gpu: bool = True) -> dict:
 
 def dkv_configs() -> list[dict]:
     # all fit the 227 KB sm90 shared-memory limit at 96-128 heads (checked with an sm90 AOT compile)
-    return _dedup([
+    return dedup_configs([
         dict(BLOCK_N=64, BLOCK_D=128, num_warps=4, num_stages=3),
         dict(BLOCK_N=64, BLOCK_D=128, num_warps=4, num_stages=2),
         dict(BLOCK_N=128, BLOCK_D=64, num_warps=8, num_stages=2),
@@ -236,35 +228,15 @@ def dkv_configs() -> list[dict]:
     ])
 
 
-def _dedup(cfgs: list[dict]) -> list[dict]:
-    out, seen = [], set()
-    for c in cfgs:
-        key = tuple(sorted(c.items()))
-        if key not in seen:
-            seen.add(key)
-            out.append(c)
-    return out
-
-
-def _to_triton_configs(cfg_key: tuple) -> list:
-    return [triton.Config({k: v for k, v in c if not k.startswith("num_")},
-                          num_warps=dict(c)["num_warps"], num_stages=dict(c)["num_stages"]) for c in cfg_key]
-
-
 @functools.lru_cache(maxsize=None)
 def _autotuned_dq(cfg_key: tuple):
-    return triton.autotune(configs=_to_triton_configs(cfg_key), key=["H", "D_V", "D_R"])(_bwd_dq_kernel)
+    return make_autotuner(_bwd_dq_kernel, cfg_key, ["H", "D_V", "D_R"])
 
 
 @functools.lru_cache(maxsize=None)
 def _autotuned_dkv(cfg_key: tuple):
     # reset_to_zero: each benchmark run accumulates into DKV.
-    return triton.autotune(configs=_to_triton_configs(cfg_key), key=["H", "D", "D_V"],
-                           reset_to_zero=["DKV"])(_bwd_dkv_kernel)
-
-
-def _key(cfgs: list[dict]) -> tuple:
-    return tuple(tuple(sorted(c.items())) for c in cfgs)
+    return make_autotuner(_bwd_dkv_kernel, cfg_key, ["H", "D", "D_V"], reset_to_zero=["DKV"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -327,7 +299,7 @@ def sparse_mla_backward(
                    lse.stride(0), dq.stride(0), dq.stride(1), pbuf.stride(0), pbuf.stride(1),
                    t0, H, S_kv, k, float(scale) * 1.4426950408889634, float(scale))
         if dq_config is None and tune:
-            launch(_autotuned_dq(_key(dq_configs(H))), lambda m: (n, triton.cdiv(H, m["BLOCK_H"])), *dq_args,
+            launch(_autotuned_dq(config_key(dq_configs(H))), lambda m: (n, triton.cdiv(H, m["BLOCK_H"])), *dq_args,
                    **dq_meta)
         else:
             c = dict(dq_config or default_dq_config(H, on_gpu))
@@ -337,7 +309,7 @@ def sparse_mla_backward(
                     q.stride(0), q.stride(1), idx.stride(0), dout.stride(0), dout.stride(1),
                     pbuf.stride(0), pbuf.stride(1), dkv32.stride(0), t0, H, S_kv, D)
         if dkv_config is None and tune:
-            launch(_autotuned_dkv(_key(dkv_configs())), lambda m: (triton.cdiv(D, m["BLOCK_D"]), n), *dkv_args,
+            launch(_autotuned_dkv(config_key(dkv_configs())), lambda m: (triton.cdiv(D, m["BLOCK_D"]), n), *dkv_args,
                    **dkv_meta)
         else:
             c = dict(dkv_config or default_dkv_config(on_gpu))

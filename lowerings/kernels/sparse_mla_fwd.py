@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import autotune_enabled, interpreting, launch, next_pow2
+from .launch import autotune_enabled, config_key, dedup_configs, interpreting, launch, make_autotuner, next_pow2
 
 __all__ = ["sparse_mla_forward", "fwd_configs", "fwd_plan", "default_fwd_config", "row_extent", "HEADS_MAJOR_64"]
 
@@ -244,23 +244,12 @@ def fwd_configs(H: int) -> list[dict]:
     ]
     if H >= 64:
         cfgs.append(HEADS_MAJOR_64)
-    out, seen = [], set()
-    for c in cfgs:
-        key = tuple(sorted(c.items()))
-        if key not in seen:
-            seen.add(key)
-            out.append(c)
-    return out
+    return dedup_configs(cfgs)
 
 
 @functools.lru_cache(maxsize=None)
 def _autotuned_fwd(cfg_key: tuple):
-    configs = [
-        triton.Config({k: v for k, v in c if not k.startswith("num_")},
-                      num_warps=dict(c)["num_warps"], num_stages=dict(c)["num_stages"])
-        for c in cfg_key
-    ]
-    return triton.autotune(configs=configs, key=["H0", "H", "D_V", "D_R"])(_sparse_mla_fwd_kernel)
+    return make_autotuner(_sparse_mla_fwd_kernel, cfg_key, ["H0", "H", "D_V", "D_R"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -302,7 +291,7 @@ def sparse_mla_forward(
                 q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), out.stride(0), out.stride(1), lse.stride(0),
                 h0, h1, S_kv, float(scale) * 1.4426950408889634)
         if cfg is None and autotune_enabled(q):
-            kernel = _autotuned_fwd(tuple(tuple(sorted(c.items())) for c in fwd_configs(h1 - h0)))
+            kernel = _autotuned_fwd(config_key(fwd_configs(h1 - h0)))
             launch(kernel, lambda m, n=h1 - h0: (T, triton.cdiv(n, m["BLOCK_H"])), *args, **meta)
         else:
             c = dict(cfg or default_fwd_config(h1 - h0, on_gpu=on_gpu))
