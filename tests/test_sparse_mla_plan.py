@@ -39,3 +39,23 @@ def test_split_launches_match_reference(ik, monkeypatch, split):
     assert_lse_close(lse, rl, 1e-5)
     one, one_lse = F.sparse_mla_forward(q, kv, idx, 0.125, DV, config=F.default_fwd_config(5, on_gpu=False))
     assert rel_err(out, one) < 1e-6 and rel_err(lse[torch.isfinite(lse)], one_lse[torch.isfinite(one_lse)]) < 1e-6
+
+
+def test_dkv_head_split(ik):
+    B = ik.sparse_mla_bwd
+    assert [B.head_split(h) for h in (3, 16, 24, 40, 64, 96, 128)] == [
+        (16, 0), (16, 0), (16, 16), (32, 16), (64, 0), (64, 32), (128, 0)]
+
+
+@pytest.mark.parametrize("H", [24, 40])
+def test_backward_with_split_heads_and_separate_rope_columns(ik, H):
+    """dKV with the heads as two MMA K parts (16+16, 32+16) and the rope columns in their own launch."""
+    from tests.test_triton_kernels import ref_sparse_mla_grads
+
+    q, kv, idx = _sparse_inputs(T=12, H=H, k=10, seed=4)
+    dout = torch.randn(12, H, DV, generator=torch.Generator().manual_seed(5))
+    out, lse = ik.sparse_mla_fwd.sparse_mla_forward(q, kv, idx, 0.125, DV)
+    dq, dkv = ik.sparse_mla_bwd.sparse_mla_backward(dout, q, kv, idx, out, lse, 0.125, DV)
+    _, _, rdq, rdkv = ref_sparse_mla_grads(q, kv, idx, 0.125, DV, dout)
+    assert rel_err(dq, rdq) < 1e-5
+    assert rel_err(dkv[:, :DV], rdkv[:, :DV]) < 1e-5 and rel_err(dkv[:, DV:], rdkv[:, DV:]) < 1e-5
