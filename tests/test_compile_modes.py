@@ -51,7 +51,8 @@ def test_every_config_choice_is_a_registered_mode():
         if mode != "none":
             assert compile_options(mode)["backend"] == "inductor"
     assert compile_options("max-autotune")["mode"] == "max-autotune-no-cudagraphs"
-    assert compile_options("reduce-overhead")["mode"] == "reduce-overhead"
+    assert compile_options("reduce-overhead")["options"] == {"triton.cudagraphs": True, "graph_partition": True}
+    assert compile_mode("reduce-overhead").cudagraphs and not compile_mode("default").cudagraphs
     assert "joint_custom_post_pass" in compile_options("inductor")["options"]
 
 
@@ -200,3 +201,12 @@ def test_ablation_plot_needs_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     with pytest.raises(RuntimeError, match=r"needs matplotlib .*pip install matplotlib.*--no-plot"):
         ablate_compile.plot(tmp_path / "missing.png", setup, runs)
+
+
+def test_kda_ops_run_outside_cuda_graphs():
+    """FLA's varlen KDA sizes its grid from cu_seqlens on the host: a captured graph would replay one batch's
+    document layout for every batch, so the ops carry the tag that makes Inductor partition around them."""
+    unsafe = torch._C.Tag.cudagraph_unsafe
+    assert unsafe in torch.ops.titan_kimi.kda.default.tags
+    assert unsafe in torch.ops.titan_kimi.kda_backward.default.tags
+    assert unsafe not in torch.ops.titan_kimi.sparse_mla.default.tags  # fixed grids: safe to capture

@@ -6,7 +6,7 @@
 | default | per-block torch.compile (Inductor); the titan_kimi ops stay opaque custom ops |
 | inductor | as default, plus: the Triton kernels of situ_glu and attn_res_mix run as `torch.library.triton_op`s (Inductor sees, schedules and plans memory for them; CUDA + triton backend only), SiTU-GLU is emitted as its plain formula and our joint-graph pass rewrites it into the fused op (forward and backward) |
 | max-autotune | as default, with Inductor's GEMM/pointwise autotuning (no CUDA graphs) |
-| reduce-overhead | as default, with CUDA graphs over the graph partitions |
+| reduce-overhead | as default, with CUDA graphs (Inductor graph partitions: ops tagged `cudagraph_unsafe`, the FLA KDA op, run between the graphs, not in them) |
 
 A mode has two halves: ``compile_options`` (the ``torch.compile`` keyword arguments, which carry the graph pass
 through ``options`` so it is installed exactly while these regions compile, backward included) and
@@ -35,6 +35,7 @@ class CompileMode:
     torch_mode: str | None = None  # torch.compile(mode=...)
     triton_ops: bool = False  # Inductor-visible triton_op variants of our kernels
     graph_passes: bool = False  # emit DECOMPOSED_OPS as formulas and run TitanKimiJointPass
+    cudagraphs: bool = False  # CUDA graphs over Inductor's graph partitions (see `compile_options`)
 
     def compile_options(self) -> dict[str, Any] | None:
         if not self.compiled:
@@ -45,6 +46,11 @@ class CompileMode:
         if self.graph_passes:
             # torch.compile takes `mode` or `options`, not both; the graph-pass modes set no torch mode.
             options["options"] = {"joint_custom_post_pass": _joint_pass(self.triton_ops)}
+        if self.cudagraphs:
+            # torch's reduce-overhead is `triton.cudagraphs`; graph partitioning is spelled out because the
+            # KDA op is tagged cudagraph_unsafe (FLA derives its chunk grid from cu_seqlens on the host and
+            # caches index tensors across calls), so it must run between graphs, never inside one.
+            options["options"] = {"triton.cudagraphs": True, "graph_partition": True}
         return options
 
     def lowering_scope(self) -> ContextManager[None]:
@@ -66,7 +72,7 @@ _MODES: dict[str, CompileMode] = {m.name: m for m in (
     CompileMode("default"),
     CompileMode("inductor", triton_ops=True, graph_passes=True),
     CompileMode("max-autotune", torch_mode="max-autotune-no-cudagraphs"),
-    CompileMode("reduce-overhead", torch_mode="reduce-overhead"),
+    CompileMode("reduce-overhead", cudagraphs=True),
 )}
 
 

@@ -54,7 +54,13 @@ def _reference_backward(
     return [x.contiguous() for x in vjp((d_o, d_final))]
 
 
-@torch.library.custom_op("titan_kimi::kda", mutates_args=())
+# FLA's varlen path sizes its launch grids from cu_seqlens values on the host and caches index tensors across
+# calls: inside a CUDA graph one batch's document layout would be replayed for every batch. The tag makes
+# Inductor's graph partitioning (the reduce-overhead mode) run these ops between graphs.
+_OUTSIDE_CUDA_GRAPHS = (torch._C.Tag.cudagraph_unsafe,)
+
+
+@torch.library.custom_op("titan_kimi::kda", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def kda_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,7 +96,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_
     return torch.empty_like(v), final, residuals
 
 
-@torch.library.custom_op("titan_kimi::kda_backward", mutates_args=())
+@torch.library.custom_op("titan_kimi::kda_backward", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def kda_backward_op(
     d_o: torch.Tensor,
     d_final: torch.Tensor,

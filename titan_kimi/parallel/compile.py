@@ -20,8 +20,13 @@ class _ForwardScope:
         self._stacks: list[contextlib.ExitStack] = []
 
     def enter(self, module: torch.nn.Module, args: tuple) -> None:
+        spec = compile_mode(self.mode)
+        if spec.cudagraphs:
+            # each forward starts a new CUDA-graph generation: the previous one's outputs are dead by now
+            # (its backward ran), which cudagraph trees cannot infer across separately compiled blocks.
+            torch.compiler.cudagraph_mark_step_begin()
         stack = contextlib.ExitStack()
-        stack.enter_context(compile_mode(self.mode).lowering_scope())
+        stack.enter_context(spec.lowering_scope())
         stack.enter_context(torch._dynamo.config.patch(
             recompile_limit=self.recompile_limit,
             accumulated_recompile_limit=max(torch._dynamo.config.accumulated_recompile_limit, self.recompile_limit)))
