@@ -133,7 +133,12 @@ def bench_sparse_mla(T: int, args, refs, rows: list) -> None:
 
     out, lse = F.sparse_mla_forward(q, kv, idx, MLA_SCALE, D_V)  # autotunes on first call
     B.sparse_mla_backward(dout, q, kv, idx, out, lse, MLA_SCALE, D_V)
-    tuned_f = _best_config(F._autotuned_fwd, F.fwd_configs(H_MLA)) if F.autotune_enabled(q) else "autotune off"
+    ws_off = F.ws_forward_reason(q, kv, D_V)
+    if ws_off is None:
+        tuned_f = "gluon warp-specialized (sparse_mla_fwd_ws)"
+    else:
+        tuned_f = f"triton ({ws_off}); " + (_best_config(F._autotuned_fwd, F.fwd_configs(H_MLA))
+                                            if F.autotune_enabled(q) else "autotune off")
     tuned_b = (_best_config(B._autotuned_dq, B.dq_configs(H_MLA)) + " / " + _best_config(B._autotuned_dkv, B.dkv_configs())
                if F.autotune_enabled(q) else "autotune off")
     r = time_cuda(lambda: F.sparse_mla_forward(q, kv, idx, MLA_SCALE, D_V), args.warmup, args.reps)

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .launch import autotune_enabled, config_key, dedup_configs, interpreting, launch, make_autotuner, next_pow2
 
-__all__ = ["sparse_mla_forward", "fwd_configs", "fwd_plan", "default_fwd_config", "row_extent", "HEADS_MAJOR_64"]
+__all__ = ["sparse_mla_forward", "ws_forward_reason", "fwd_configs", "fwd_plan", "default_fwd_config", "row_extent", "HEADS_MAJOR_64"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,6 +256,17 @@ def _autotuned_fwd(cfg_key: tuple):
 # entry point
 
 
+def ws_forward_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
+    """Why the Gluon forward does not serve this call (None: it does)."""
+    if interpreting() or not q.is_cuda:
+        return "not on a CUDA device"
+    try:
+        from .sparse_mla_fwd_ws import ws_forward_unsupported
+    except ImportError as exc:  # a Triton without Gluon
+        return f"triton.experimental.gluon unavailable ({exc})"
+    return ws_forward_unsupported(q, kv, d_v)
+
+
 def sparse_mla_forward(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -267,7 +278,8 @@ def sparse_mla_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA forward. Returns (out [T, H, d_v] in q's dtype, lse [T, H] fp32, natural log).
 
-    Without `config` the heads run as `fwd_plan` says. `config` (keys BLOCK_H, BLOCK_N, KEYS_MAJOR,
+    Without `config`, on Hopper at K3 sizes (Dqk 576, d_v 512, bf16/fp16) the warp-specialized Gluon kernel
+    runs (sparse_mla_fwd_ws; `ws_forward_reason` says why not elsewhere); otherwise the heads run as `fwd_plan` says. `config` (keys BLOCK_H, BLOCK_N, KEYS_MAJOR,
     num_warps, num_stages) pins one config for all heads in one launch and bypasses the autotuner;
     TITAN_KIMI_TRITON_AUTOTUNE=0 bypasses it too (the plan's pinned configs, else `default_fwd_config`)."""
     check_sparse_mla_inputs(q, kv, idx, d_v)
@@ -282,6 +294,11 @@ def sparse_mla_forward(
     if T == 0 or H == 0:
         return out, lse
     ext = row_extent(idx, S_kv) if k > 0 else torch.zeros(T, dtype=torch.int32, device=q.device)
+    if config is None and ws_forward_reason(q, kv, d_v) is None:
+        from .sparse_mla_fwd_ws import sparse_mla_forward_ws
+
+        sparse_mla_forward_ws(q, kv, idx, ext, scale, out, lse)
+        return out, lse
     meta = dict(D_V=d_v, D_R=d_r, BLOCK_DV=next_pow2(max(d_v, 16)), BLOCK_DR=next_pow2(max(d_r, 16)),
                 DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dots(q.dtype))
     on_gpu = q.is_cuda and not interpreting()
