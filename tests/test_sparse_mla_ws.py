@@ -43,7 +43,7 @@ def test_ws_forward_compiles_for_sm90(tmp_path):
     for s in stats:
         assert 0 < s["shared"] <= s["max_shared"], s
         assert s["wgmma"] > 0 and s["cp_async"] > 0 and "240" in s["setmaxnreg"], s  # the WS structure survived
-        assert s["spill_stores"] <= 128, s  # 48 B today (epilogue pointers); a loop-carried spill is far more
+        assert s["spill_stores"] <= 128, s  # 44 B today (epilogue, producer pointers); loop-carried spills: far more
 
 
 def test_ws_forward_declines_what_it_cannot_run():
