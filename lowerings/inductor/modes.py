@@ -43,14 +43,17 @@ class CompileMode:
         options: dict[str, Any] = {"backend": "inductor"}
         if self.torch_mode is not None:
             options["mode"] = self.torch_mode
+        # torch.compile takes `mode` or `options`, not both; the modes that need options set no torch mode.
+        inductor_options: dict[str, Any] = {}
         if self.graph_passes:
-            # torch.compile takes `mode` or `options`, not both; the graph-pass modes set no torch mode.
-            options["options"] = {"joint_custom_post_pass": _joint_pass(self.triton_ops)}
+            inductor_options["joint_custom_post_pass"] = _joint_pass(self.triton_ops)
         if self.cudagraphs:
             # torch's reduce-overhead is `triton.cudagraphs`; graph partitioning is spelled out because the
             # KDA op is tagged cudagraph_unsafe (FLA derives its chunk grid from cu_seqlens on the host and
             # caches index tensors across calls), so it must run between graphs, never inside one.
-            options["options"] = {"triton.cudagraphs": True, "graph_partition": True}
+            inductor_options.update({"triton.cudagraphs": True, "graph_partition": True})
+        if inductor_options:
+            options["options"] = inductor_options
         return options
 
     def lowering_scope(self) -> ContextManager[None]:
