@@ -40,10 +40,15 @@ def test_ws_forward_compiles_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     stats = [json.loads(line) for line in run.stdout.splitlines()]
     assert [s["dtype"] for s in stats] == ["bf16", "fp16"]
+    from lowerings.kernels.sparse_mla_fwd_ws import WS_CONFIG
+
+    regs = str(WS_CONFIG["CONSUMER_REGS"])
     for s in stats:
         assert 0 < s["shared"] <= s["max_shared"], s
-        assert s["wgmma"] > 0 and s["cp_async"] > 0 and "240" in s["setmaxnreg"], s  # the WS structure survived
-        assert s["spill_stores"] <= 128, s  # 44 B today (epilogue, producer pointers); loop-carried spills: far more
+        assert s["wgmma"] > 0 and s["cp_async"] > 0 and regs in s["setmaxnreg"], s  # the WS structure survived
+        # 292 B today: one consumer's loop-invariant wgmma descriptors and the producer's row pointers (measured at
+        # 334-349 TFLOP/s with them); spilling the accumulators would cost kilobytes
+        assert s["spill_stores"] <= 512, s
 
 
 def test_ws_forward_declines_what_it_cannot_run():
@@ -51,6 +56,19 @@ def test_ws_forward_declines_what_it_cannot_run():
 
     q = torch.zeros(4, 2, 576, dtype=torch.bfloat16)
     assert ws_forward_reason(q, torch.zeros(4, 576, dtype=torch.bfloat16), 512) == "not on a CUDA device"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_ws_forward_declines_unaligned_rows():
+    from lowerings.kernels.sparse_mla_fwd_ws import ws_forward_unsupported
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the alignment check is reached on sm90 only")
+    q = torch.zeros(4, 2, 580, dtype=torch.bfloat16, device="cuda")[:, :, :576]  # head stride 580: 8-byte rows
+    kv = torch.zeros(4, 576, dtype=torch.bfloat16, device="cuda")
+    assert "16-byte" in ws_forward_unsupported(q, kv, 512)
+    assert ws_forward_unsupported(q.contiguous(), kv, 512) is None
 
 
 sm90 = pytest.mark.skipif(
@@ -67,14 +85,17 @@ def _reference(q, kv, idx, scale):
 
 @pytest.mark.gpu
 @sm90
-@pytest.mark.parametrize("H,k,dtype", [(96, 2048, torch.bfloat16), (96, 200, torch.bfloat16),
-                                       (16, 320, torch.bfloat16), (128, 256, torch.float16)])
-def test_gpu_ws_forward_matches_reference(H, k, dtype):
+@pytest.mark.parametrize("H,k,dtype,peak", [(96, 2048, torch.bfloat16, 1.0), (96, 200, torch.bfloat16, 1.0),
+                                            (16, 320, torch.bfloat16, 1.0), (128, 256, torch.float16, 1.0),
+                                            (64, 1000, torch.bfloat16, 30.0)])
+def test_gpu_ws_forward_matches_reference(H, k, dtype, peak):
+    # peak = 30: scores spread over ~100 (log2 units), so one warpgroup's key blocks often sit far below the other's
+    # running max (the factor f = 2^(r - m) underflows and is clamped at 2^-64)
     from lowerings.kernels.sparse_mla_fwd import sparse_mla_forward, ws_forward_reason
 
     T, S, scale = 700, 650, 192 ** -0.5
     gen = torch.Generator().manual_seed(H + k)
-    q_wide = torch.randn(T, H, 640, generator=gen).to("cuda", dtype)
+    q_wide = (peak * torch.randn(T, H, 640, generator=gen)).to("cuda", dtype)
     q = q_wide[:, :, :576]  # strided heads: stride(1) = 640
     kv = torch.randn(S, 576, generator=gen).to("cuda", dtype)
     idx = torch.randint(0, S + 40, (T, k), generator=gen, dtype=torch.int32)  # ids >= S must be ignored
