@@ -16,7 +16,13 @@ export PYTHONUNBUFFERED=1
   git rev-parse HEAD 2>/dev/null; date -u; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 T0=$(date +%s)
-step() { echo "[$1] rc=$2 at $(( $(date +%s) - T0 ))s"; }
+# the device tool returns a handful of files per call: everything travels in one archive, refreshed after each
+# step so that a call cut short by its time limit still brings back what finished
+step() {
+  echo "[$1] rc=$2 at $(( $(date +%s) - T0 ))s"
+  (cd "$OUT" && tar czf all.tgz.part --exclude=all.tgz --exclude=all.tgz.part --exclude=ablate/runs . 2>/dev/null \
+    && mv all.tgz.part all.tgz)
+}
 
 # (tests/test_kda_gpu.py runs last: its dense B=2 case has no shipped FLA configs and autotunes for minutes)
 TITAN_KIMI_TRITON_AUTOTUNE=0 timeout 170 python3 -m pytest -m gpu tests/test_triton_kernels.py \
@@ -54,5 +60,4 @@ if [ "$left" -gt 30 ]; then
   timeout "$left" python3 -m pytest -m gpu tests/test_kda_gpu.py -q -rs > "$OUT/pytest_kda_gpu.log" 2>&1
   step pytest_kda $?; tail -3 "$OUT/pytest_kda_gpu.log"
 fi
-# the device tool returns a handful of files per call: everything else travels in one archive
-(cd "$OUT" && tar czf all.tgz --exclude=all.tgz . 2>/dev/null)
+step done 0
