@@ -50,7 +50,10 @@ def test_every_config_choice_is_a_registered_mode():
             pass
         if mode != "none":
             assert compile_options(mode)["backend"] == "inductor"
-    assert compile_options("max-autotune")["mode"] == "max-autotune-no-cudagraphs"
+    max_autotune = compile_options("max-autotune")
+    assert "mode" not in max_autotune  # torch's max-autotune-no-cudagraphs, spelled out with ATen-only GEMMs
+    assert max_autotune["options"] == {"max_autotune": True, "coordinate_descent_tuning": True,
+                                       "max_autotune_gemm_backends": "ATEN"}
     assert compile_options("reduce-overhead")["options"] == {"triton.cudagraphs": True, "graph_partition": True}
     assert compile_mode("reduce-overhead").cudagraphs and not compile_mode("default").cudagraphs
     assert "joint_custom_post_pass" in compile_options("inductor")["options"]

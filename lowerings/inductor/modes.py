@@ -5,7 +5,7 @@
 | none | eager |
 | default | per-block torch.compile (Inductor); the titan_kimi ops stay opaque custom ops |
 | inductor | as default, plus: the Triton kernels of situ_glu and attn_res_mix run as `torch.library.triton_op`s (Inductor sees, schedules and plans memory for them; CUDA + triton backend only), SiTU-GLU is emitted as its plain formula and our joint-graph pass rewrites it into the fused op (forward and backward) |
-| max-autotune | as default, with Inductor's GEMM/pointwise autotuning (no CUDA graphs) |
+| max-autotune | as default, with Inductor's pointwise/reduction autotuning (GEMMs stay ATen, no CUDA graphs) |
 | reduce-overhead | as default, with CUDA graphs (Inductor graph partitions: ops tagged `cudagraph_unsafe`, the FLA KDA op, run between the graphs, not in them) |
 
 A mode has two halves: ``compile_options`` (the ``torch.compile`` keyword arguments, which carry the graph pass
@@ -36,6 +36,7 @@ class CompileMode:
     triton_ops: bool = False  # Inductor-visible triton_op variants of our kernels
     graph_passes: bool = False  # emit DECOMPOSED_OPS as formulas and run TitanKimiJointPass
     cudagraphs: bool = False  # CUDA graphs over Inductor's graph partitions (see `compile_options`)
+    inductor_options: tuple[tuple[str, Any], ...] = ()  # further Inductor config, as (name, value) pairs
 
     def compile_options(self) -> dict[str, Any] | None:
         if not self.compiled:
@@ -44,7 +45,7 @@ class CompileMode:
         if self.torch_mode is not None:
             options["mode"] = self.torch_mode
         # torch.compile takes `mode` or `options`, not both; the modes that need options set no torch mode.
-        inductor_options: dict[str, Any] = {}
+        inductor_options: dict[str, Any] = dict(self.inductor_options)
         if self.graph_passes:
             inductor_options["joint_custom_post_pass"] = _joint_pass(self.triton_ops)
         if self.cudagraphs:
@@ -74,7 +75,11 @@ _MODES: dict[str, CompileMode] = {m.name: m for m in (
     CompileMode("none", compiled=False),
     CompileMode("default"),
     CompileMode("inductor", triton_ops=True, graph_passes=True),
-    CompileMode("max-autotune", torch_mode="max-autotune-no-cudagraphs"),
+    # torch's max-autotune-no-cudagraphs with GEMM choices kept to ATen: on torch 2.11 (H200, CUDA 13) Inductor's
+    # Triton grouped-GEMM template fails to compile for the experts' cast + transposed weights ("Tensor descriptor
+    # last dim must be 1 but got 1024"), which fails the whole step; pointwise / reduction autotuning stays on.
+    CompileMode("max-autotune", inductor_options=(("max_autotune", True), ("coordinate_descent_tuning", True),
+                                                  ("max_autotune_gemm_backends", "ATEN"))),
     CompileMode("reduce-overhead", cudagraphs=True),
 )}
 
