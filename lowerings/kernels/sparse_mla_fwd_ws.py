@@ -102,9 +102,9 @@ def _producer(Q, KV, IDX, EXT, stride_qt, stride_qh, stride_it, H, S_KV, N_HB,
     _copy_cols(qn_smem, q_rows, h < H, 0, D_NOPE, CW, blk)
     _copy_cols(qr_smem, q_rows, h < H, D_NOPE, D_ROPE, CW, blk)
     async_copy.mbarrier_arrive(q_bar, increment_count=False)
-    # slot s holds the key blocks j = s mod 2, in two parts freed separately: part A (value half s, freed by
-    # warpgroup s after its own PV) and part B (the other value half + rope, freed by the other warpgroup after it
-    # used that half and the P stored in the rope tile). Parts are filled A0, A1, B0, B1: the A parts free first.
+    # slot s holds the key blocks j with j mod 2 = s, in two parts freed separately: part A (value half s, freed
+    # by warpgroup s after its own PV) and part B (the other value half + rope, freed by the other warpgroup after
+    # it used that half and the P stored in the rope tile). Parts are filled A0, A1, B0, B1: the A parts free first.
     for i in range((n_end + 2 * BN - 1) // (2 * BN)):
         ph = (i & 1) ^ 1  # a fresh barrier reports the phase before 0 as complete: the first pass does not wait
         r0, ok0 = _kv_rows(KV, IDX, t, stride_it, 2 * i, n_end, S_KV, BN, KV_STRIDE, rows)
