@@ -116,7 +116,7 @@ def no_fx_cache():
         yield
 
 
-@pytest.mark.parametrize("mode", ["default", "inductor"])
+@pytest.mark.parametrize("mode", ["default", "inductor", "max-autotune"])
 def test_fullgraph_block_in_mode_matches_eager(mode, no_fx_cache):
     # Layer 0 (KDA + dense SiTU MLP + AttnRes): the smallest block that holds both fused ops. Compiled for
     # real (no FX-cache hit), so the inductor mode's pass runs and is counted.
