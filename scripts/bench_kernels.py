@@ -107,8 +107,10 @@ def mla_indices(T: int, k: int, mode: str, gen: torch.Generator) -> torch.Tensor
 
 
 def _best_config(autotuner_factory, cfgs) -> str:
+    from lowerings.kernels.launch import config_key
+
     try:
-        tuner = autotuner_factory(tuple(tuple(sorted(c.items())) for c in cfgs))
+        tuner = autotuner_factory(config_key(cfgs))
         return str(getattr(tuner, "best_config", ""))
     except Exception:  # noqa: BLE001 - informational only
         return ""
@@ -137,8 +139,12 @@ def bench_sparse_mla(T: int, args, refs, rows: list) -> None:
     if ws_off is None:
         tuned_f = "gluon warp-specialized (sparse_mla_fwd_ws)"
     else:
-        tuned_f = f"triton ({ws_off}); " + (_best_config(F._autotuned_fwd, F.fwd_configs(H_MLA))
-                                            if F.autotune_enabled(q) else "autotune off")
+        # one entry per launch of the head plan: a pinned config, or the autotuner of that head range
+        tuned_f = f"triton ({ws_off}); " + "; ".join(
+            f"heads {h0}-{h1 - 1}: " + (str(cfg) if cfg is not None else
+                                         _best_config(F._autotuned_fwd, F.fwd_configs(h1 - h0))
+                                         if F.autotune_enabled(q) else "autotune off")
+            for h0, h1, cfg in F.fwd_plan(H_MLA))
     tuned_b = (_best_config(B._autotuned_dq, B.dq_configs(H_MLA)) + " / " + _best_config(B._autotuned_dkv, B.dkv_configs())
                if F.autotune_enabled(q) else "autotune off")
     r = time_cuda(lambda: F.sparse_mla_forward(q, kv, idx, MLA_SCALE, D_V), args.warmup, args.reps)

@@ -19,8 +19,6 @@ from titan_kimi.models.kimi_k3 import build_sequence_info, flavor_names, model_a
 from titan_kimi.models.kimi_k3.block import KimiK3Block
 
 
-
-
 def representative_layers(args) -> dict[str, int]:
     """First layer of each block type in the flavor's layer pattern."""
     kinds: dict[str, int] = {}

@@ -58,23 +58,21 @@ def test_ws_forward_declines_what_it_cannot_run():
     assert ws_forward_reason(q, torch.zeros(4, 576, dtype=torch.bfloat16), 512) == "not on a CUDA device"
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_ws_forward_declines_unaligned_rows():
-    from lowerings.kernels.sparse_mla_fwd_ws import ws_forward_unsupported
-
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the alignment check is reached on sm90 only")
-    q = torch.zeros(4, 2, 580, dtype=torch.bfloat16, device="cuda")[:, :, :576]  # head stride 580: 8-byte rows
-    kv = torch.zeros(4, 576, dtype=torch.bfloat16, device="cuda")
-    assert "16-byte" in ws_forward_unsupported(q, kv, 512)
-    assert ws_forward_unsupported(q.contiguous(), kv, 512) is None
-
-
 sm90 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs an sm90 GPU",
 )
+
+
+@pytest.mark.gpu
+@sm90  # the alignment check is reached on sm90 only
+def test_gpu_ws_forward_declines_unaligned_rows():
+    from lowerings.kernels.sparse_mla_fwd_ws import ws_forward_unsupported
+
+    q = torch.zeros(4, 2, 580, dtype=torch.bfloat16, device="cuda")[:, :, :576]  # head stride 580: 8-byte rows
+    kv = torch.zeros(4, 576, dtype=torch.bfloat16, device="cuda")
+    assert "16-byte" in ws_forward_unsupported(q, kv, 512)
+    assert ws_forward_unsupported(q.contiguous(), kv, 512) is None
 
 
 def _reference(q, kv, idx, scale):

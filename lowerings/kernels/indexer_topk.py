@@ -189,6 +189,8 @@ def indexer_scores(
             or out.dtype not in (torch.float32, torch.int64)):
         raise ValueError(f"indexer_scores: out must be fp32 or int64 [>= {n_rows}, >= {width}] with unit key "
                          f"stride, got {out.dtype} {tuple(out.shape)}")
+    if n_rows <= 0:
+        return out
     if scale < 0:  # relu(scale * q.k) = |scale| relu(q.(-k)) exactly; the kernel folds scale into w
         k, scale = -k, -scale
     args = (q, k, w, seg_start, out,
@@ -198,8 +200,6 @@ def indexer_scores(
                 EVEN_D=D == next_pow2(max(D, 16)), FILL_ROWS=8,
                 DOT_PREC="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
                 UPCAST=interpreting() and q.dtype != torch.float32, SORT_KEYS=out.dtype == torch.int64)
-    if n_rows <= 0:
-        return out
     use_tune = config is None and autotune_enabled(q)
     if use_tune:
         kernel = _autotuned_scores(config_key(scores_configs(HI)))

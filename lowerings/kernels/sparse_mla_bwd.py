@@ -149,6 +149,15 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
+def _load_tile(ptrs, mask, UPCAST: tl.constexpr):
+    # masked elements load as 0; fp32 when UPCAST (the interpreter cannot tl.dot 16-bit types)
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _bwd_dkv_kernel(
     Q, IDX, EXT, DO, PB, DSB, DKV,
     stride_qt, stride_qh, stride_it, stride_dt, stride_dh, stride_bt, stride_bn, stride_dkvt,
@@ -164,56 +173,37 @@ def _bwd_dkv_kernel(
     t = t0 + tl_
     c_ok = offs_c < C_END
     n_end = tl.load(EXT + t)
+    # [heads, columns] B operands of each head part, loaded once per program.
     offs_ha = tl.arange(0, HP_A)
     ha_ok = offs_ha < H
-    # [heads, columns] B operands, loaded once per program.
-    qa = tl.load(Q + t * stride_qt + offs_ha[:, None] * stride_qh + offs_c[None, :],
-                 mask=ha_ok[:, None] & c_ok[None, :], other=0.0)
-    if UPCAST:
-        qa = qa.to(tl.float32)
+    mask_a = ha_ok[:, None] & c_ok[None, :]
+    qa = _load_tile(Q + t * stride_qt + offs_ha[:, None] * stride_qh + offs_c[None, :], mask_a, UPCAST)
     if HAS_V:
-        doa = tl.load(DO + t * stride_dt + offs_ha[:, None] * stride_dh + offs_c[None, :],
-                      mask=ha_ok[:, None] & c_ok[None, :], other=0.0)
-        if UPCAST:
-            doa = doa.to(tl.float32)
+        doa = _load_tile(DO + t * stride_dt + offs_ha[:, None] * stride_dh + offs_c[None, :], mask_a, UPCAST)
     if HP_B > 0:
         offs_hb = HP_A + tl.arange(0, HP_B)
         hb_ok = offs_hb < H
-        qb = tl.load(Q + t * stride_qt + offs_hb[:, None] * stride_qh + offs_c[None, :],
-                     mask=hb_ok[:, None] & c_ok[None, :], other=0.0)
-        if UPCAST:
-            qb = qb.to(tl.float32)
+        mask_b = hb_ok[:, None] & c_ok[None, :]
+        qb = _load_tile(Q + t * stride_qt + offs_hb[:, None] * stride_qh + offs_c[None, :], mask_b, UPCAST)
         if HAS_V:
-            dob = tl.load(DO + t * stride_dt + offs_hb[:, None] * stride_dh + offs_c[None, :],
-                          mask=hb_ok[:, None] & c_ok[None, :], other=0.0)
-            if UPCAST:
-                dob = dob.to(tl.float32)
+            dob = _load_tile(DO + t * stride_dt + offs_hb[:, None] * stride_dh + offs_c[None, :], mask_b, UPCAST)
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_end
         kid = tl.load(IDX + t * stride_it + offs_n, mask=n_ok, other=-1)
         ok = (kid >= 0) & (kid < S_KV)
+        # [keys, heads] A operands of each head part: dS^T, and P^T for the value columns
         off_a = tl_ * stride_bt + offs_n[:, None] * stride_bn + offs_ha[None, :]
-        dsa = tl.load(DSB + off_a, mask=n_ok[:, None] & ha_ok[None, :], other=0.0)
-        if UPCAST:
-            dsa = dsa.to(tl.float32)
-        g = tl.dot(dsa, qa, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_D]
+        key_a = n_ok[:, None] & ha_ok[None, :]
+        g = tl.dot(_load_tile(DSB + off_a, key_a, UPCAST), qa, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_D]
         if HAS_V:
-            pa = tl.load(PB + off_a, mask=n_ok[:, None] & ha_ok[None, :], other=0.0)
-            if UPCAST:
-                pa = pa.to(tl.float32)
-            g = tl.dot(pa, doa, g, input_precision=DOT_PREC)
+            g = tl.dot(_load_tile(PB + off_a, key_a, UPCAST), doa, g, input_precision=DOT_PREC)
         if HP_B > 0:
             off_b = tl_ * stride_bt + offs_n[:, None] * stride_bn + offs_hb[None, :]
-            dsb = tl.load(DSB + off_b, mask=n_ok[:, None] & hb_ok[None, :], other=0.0)
-            if UPCAST:
-                dsb = dsb.to(tl.float32)
-            g = tl.dot(dsb, qb, g, input_precision=DOT_PREC)
+            key_b = n_ok[:, None] & hb_ok[None, :]
+            g = tl.dot(_load_tile(DSB + off_b, key_b, UPCAST), qb, g, input_precision=DOT_PREC)
             if HAS_V:
-                pb = tl.load(PB + off_b, mask=n_ok[:, None] & hb_ok[None, :], other=0.0)
-                if UPCAST:
-                    pb = pb.to(tl.float32)
-                g = tl.dot(pb, dob, g, input_precision=DOT_PREC)
+                g = tl.dot(_load_tile(PB + off_b, key_b, UPCAST), dob, g, input_precision=DOT_PREC)
         tl.atomic_add(DKV + kid.to(tl.int64)[:, None] * stride_dkvt + offs_c[None, :], g,
                       mask=ok[:, None] & c_ok[None, :], sem="relaxed")
 
@@ -253,7 +243,7 @@ def dq_configs(H: int) -> list[dict]:
 
 
 def default_dkv_config(on_gpu: bool = True) -> dict:
-    """64 keys x 128 columns per step, all heads (padded to a power of two) as the MMA K dimension.
+    """64 keys x 128 columns per step, the heads as the MMA K dimension in two power-of-two parts (`head_split`).
     Shared memory: Q and dO column tiles 2 x 32 KB, 3 stages of P^T/dS^T tiles 3 x 32 KB, and 32 KB to
     re-layout the fp32 [64, 128] result for the atomics (~196 KB)."""
     if not on_gpu:

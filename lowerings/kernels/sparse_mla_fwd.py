@@ -5,9 +5,9 @@
     -> out [T, H, d_v] (dtype of q), lse [T, H] fp32, natural log; rows without a valid key give out = 0,
        lse = -inf.
 
-Grid: (token, head block) over a head range [H0, H). Each program gathers BLOCK_N kv rows per step (split into the value part
-[BLOCK_N, d_v] and the rope tail [BLOCK_N, Dqk - d_v]), computes scores with two dots, and runs an online
-softmax in base 2 (scores pre-multiplied by scale * log2 e) with fp32 accumulation.
+Grid: (token, head block) over a head range [H0, H). Each program gathers BLOCK_N kv rows per step (split into
+the value part [BLOCK_N, d_v] and the rope tail [BLOCK_N, Dqk - d_v]), computes scores with two dots, and runs
+an online softmax in base 2 (scores pre-multiplied by scale * log2 e) with fp32 accumulation.
 
 Two layouts of the same math (constexpr KEYS_MAJOR):
 * keys-major (default): S^T = KV_blk @ Q^T, so the MMA M dimension is BLOCK_N keys and the heads are N.
@@ -33,7 +33,8 @@ import triton.language as tl
 
 from .launch import autotune_enabled, config_key, dedup_configs, interpreting, launch, make_autotuner, next_pow2
 
-__all__ = ["sparse_mla_forward", "ws_forward_reason", "fwd_configs", "fwd_plan", "default_fwd_config", "row_extent", "HEADS_MAJOR_64"]
+__all__ = ["sparse_mla_forward", "ws_forward_reason", "fwd_configs", "fwd_plan", "default_fwd_config", "row_extent",
+           "HEADS_MAJOR_64"]
 
 
 # ----------------------------------------------------------------------------------------------------------

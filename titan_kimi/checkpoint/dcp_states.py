@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 
-def _rank() -> int:
+def global_rank() -> int:
+    """This process's rank in the default process group (0 when not distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -153,10 +154,10 @@ class RankLocal(Stateful):
         self.obj = obj
 
     def state_dict(self) -> dict[str, Any]:
-        return {f"rank_{_rank()}": self.obj.state_dict()}
+        return {f"rank_{global_rank()}": self.obj.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.obj.load_state_dict(state_dict[f"rank_{_rank()}"])
+        self.obj.load_state_dict(state_dict[f"rank_{global_rank()}"])
 
 
 class RNGState(Stateful):
@@ -177,10 +178,10 @@ class RNGState(Stateful):
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = torch.cuda.get_rng_state()
-        return {f"rank_{_rank()}": state}
+        return {f"rank_{global_rank()}": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = state_dict[f"rank_{_rank()}"]
+        state = state_dict[f"rank_{global_rank()}"]
         torch.set_rng_state(state["torch_cpu"])
         random.setstate(_as_python_rng_state(state["python"]))
         npst = state["numpy"]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from titan_kimi.checkpoint.dcp_states import _rank
+from titan_kimi.checkpoint.dcp_states import global_rank
 from titan_kimi.checkpoint.destinations import canonical_fqn, is_expert_key, owned_state
 from titan_kimi.checkpoint.hf_config import MXFP4_QUANTIZATION_CONFIG, hf_config
 from titan_kimi.checkpoint.hf_keys import padded_a_log_length, plan_key
@@ -85,7 +85,8 @@ def export_hf_checkpoint(
         dtype_name(fp32_params_dtype)
     fp32_names = {canonical_fqn(n) for n in fp32_parameter_names(model)}
     state = owned_state(model)
-    with HFShardWriter(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite, enabled=_rank() == 0) as writer:
+    with HFShardWriter(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+                       enabled=global_rank() == 0) as writer:
         for done, (fqn, tensor) in enumerate(state.items(), 1):
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()  # a collective: one tensor gathered at a time

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, _rank
+from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, global_rank
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -147,7 +147,7 @@ class CheckpointManager:
             return False
         state = _prepare_state(state)
         tmp = self.folder / f"step-{step}{_TMP_SUFFIX}"
-        if _rank() == 0:
+        if global_rank() == 0:
             self._remove_stale_tmp()
             tmp.mkdir(parents=True)
         self._barrier()
@@ -190,7 +190,7 @@ class CheckpointManager:
         )
 
     def _finalize(self, step: int) -> None:
-        if _rank() == 0:
+        if global_rank() == 0:
             os.replace(self.folder / f"step-{step}{_TMP_SUFFIX}", self.step_dir(step))  # the commit point
             self._prune()
         self._barrier()

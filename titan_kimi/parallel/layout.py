@@ -46,8 +46,6 @@ def resolve_layout(par, world_size: int, args: KimiK3ModelArgs) -> ParallelLayou
     return ParallelLayout(world_size, rep, shard, cp, pp, ep)
 
 
-
-
 def reject_unbuilt(layout: ParallelLayout) -> None:
     """Training runs data parallelism (FSDP2 / HSDP) today; the other degrees pass only ``--job.dry_run``."""
     for name, degree in (("expert_parallel_degree", layout.ep), ("pipeline_parallel_degree", layout.pp),

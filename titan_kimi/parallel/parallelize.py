@@ -13,7 +13,6 @@ from titan_kimi.parallel.fsdp import apply_fsdp
 from titan_kimi.parallel.layout import ParallelLayout
 
 
-
 def _ac_and_compile(model: KimiK3Model, cfg) -> None:
     # Order as in torchtitan: checkpoint wrappers first, then per-block compile, then FSDP.
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)

@@ -11,7 +11,6 @@ from torch.optim.lr_scheduler import LambdaLR
 from titan_kimi.dtypes import DTYPES
 
 
-
 class AdamWithStateDtype(torch.optim.Optimizer):
     """Adam(W) whose moments are stored in ``state_dtype`` whatever the parameter dtype; math in fp32.
 
