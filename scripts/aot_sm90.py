@@ -4,6 +4,7 @@ memory) and by hand while tuning a kernel away from the GPU machine.
 
     python3 scripts/aot_sm90.py            # the Gluon sparse-MLA forward at bf16 and fp16
     python3 scripts/aot_sm90.py --json     # the same as one JSON object per line (the CPU test reads it)
+    python3 scripts/aot_sm90.py --scalar-types   # the triton_op kernels with float scalars typed fp64 (JSON lines)
 
 Run it without TRITON_INTERPRET=1: under the interpreter the kernels are not compilable objects.
 """
@@ -69,11 +70,56 @@ def compile_sparse_mla_ws(dtype: str = "bf16") -> dict:
     return compile_sm90(_sparse_mla_fwd_ws_kernel, sig, config, num_warps=num_warps, aligned=aligned)
 
 
+def fp64_arithmetic(ptx: str) -> list[str]:
+    """PTX lines computing in fp64: everything with .f64 but the parameter declarations and loads and the one
+    conversion of a scalar to fp32."""
+    allowed = (".param .f64", "ld.param.f64", "cvt.rn.f32.f64")
+    return [ln.strip() for ln in ptx.splitlines() if ".f64" in ln and not any(a in ln for a in allowed)]
+
+
+def compile_triton_op_kernels() -> dict[str, dict]:
+    """The kernels Inductor compiles through torch.library.wrap_triton (situ_glu, attn_res_mix), with their float
+    scalars typed fp64 as wrap_triton types a Python float (Triton's own launcher says fp32)."""
+    from lowerings.kernels.attn_res_mix import _attn_res_bwd_kernel, _attn_res_fwd_kernel
+    from lowerings.kernels.situ_glu import _situ_glu_bwd_kernel, _situ_glu_fwd_kernel
+
+    def i32(*names: str) -> dict[str, str]:
+        return {n: "i32" for n in names}
+
+    situ = {"BLOCK_F": 1024}
+    attn = {"BLOCK_M": 16, "BLOCK_H": 512}
+    cases = {
+        "situ_glu_fwd": (_situ_glu_fwd_kernel, {"X": "*bf16", "Y": "*bf16", **i32("stride_x", "stride_y", "F"),
+                                                "beta": "fp64", "beta_lin": "fp64"}, situ),
+        "situ_glu_bwd": (_situ_glu_bwd_kernel, {"X": "*bf16", "DY": "*bf16", "DX": "*bf16",
+                                                **i32("stride_x", "stride_dy", "stride_dx", "F"),
+                                                "beta": "fp64", "beta_lin": "fp64"}, situ),
+        "attn_res_fwd": (_attn_res_fwd_kernel, {"BANK": "*bf16", "PART": "*bf16", "WG": "*fp32", "OUT": "*bf16",
+                                                **i32("stride_bn", "stride_bm", "stride_pn", "stride_on", "M", "HD"),
+                                                "eps": "fp64"}, attn),
+        "attn_res_bwd": (_attn_res_bwd_kernel, {"BANK": "*bf16", "PART": "*bf16", "WG": "*fp32", "DOUT": "*bf16",
+                                                "DBANK": "*bf16", "DPART": "*bf16", "DWG": "*fp32",
+                                                **i32("stride_bn", "stride_bm", "stride_pn", "stride_on", "stride_dbn",
+                                                      "stride_dbm", "stride_dpn", "stride_dwg", "N", "M", "HD"),
+                                                "eps": "fp64", "ROWS_PER_PROG": "i32"}, attn),
+    }
+    out = {}
+    for name, (fn, sig, constexprs) in cases.items():
+        sig = dict(sig, **{k: "constexpr" for k in constexprs})
+        out[name] = compile_sm90(fn, sig, constexprs, num_warps=8 if name.startswith("attn") else 4)
+    return out
+
+
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("aot_sm90.py: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="aot_sm90_"))
+    if "--scalar-types" in sys.argv:
+        for name, s in compile_triton_op_kernels().items():
+            f64 = fp64_arithmetic(s["ptx"])
+            print(json.dumps({"kernel": name, "regs": s["regs"], "fp64_lines": len(f64), "first": f64[:3]}))
+        return
     for dtype in ("bf16", "fp16"):
         s = compile_sparse_mla_ws(dtype)
         budgets = sorted(set(re.findall(r"setmaxnreg[.a-z]*u32\s+(\d+)", s["ptx"])))

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting, launch
+from .launch import as_fp32, interpreting, launch
 
 __all__ = ["attn_res_mix_forward", "attn_res_mix_backward"]
 
@@ -76,6 +76,7 @@ def _softmax_weights(ss_b, a_b, ss_p, a_p, b_ok, HD, eps):
 @triton.jit
 def _attn_res_fwd_kernel(BANK, PART, WG, OUT, stride_bn, stride_bm, stride_pn, stride_on, M, HD, eps,
                          BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    eps = as_fp32(eps)
     n = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, BLOCK_M)
     offs_c0 = tl.arange(0, BLOCK_H)
@@ -98,6 +99,7 @@ def _attn_res_bwd_kernel(BANK, PART, WG, DOUT, DBANK, DPART, DWG,
                          stride_bn, stride_bm, stride_pn, stride_on, stride_dbn, stride_dbm, stride_dpn, stride_dwg,
                          N, M, HD, eps, ROWS_PER_PROG,
                          BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    eps = as_fp32(eps)
     pid = tl.program_id(0)
     offs_i = tl.arange(0, BLOCK_M)
     offs_c0 = tl.arange(0, BLOCK_H)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreting, launch
+from .launch import as_fp32, interpreting, launch
 
 __all__ = ["situ_glu_forward", "situ_glu_backward"]
 
@@ -41,6 +41,7 @@ def _sigmoid(x):
 
 @triton.jit
 def _situ_glu_fwd_kernel(X, Y, stride_x, stride_y, F, beta, beta_lin, BLOCK_F: tl.constexpr):
+    beta, beta_lin = as_fp32(beta), as_fp32(beta_lin)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = offs < F
@@ -53,6 +54,7 @@ def _situ_glu_fwd_kernel(X, Y, stride_x, stride_y, F, beta, beta_lin, BLOCK_F: t
 
 @triton.jit
 def _situ_glu_bwd_kernel(X, DY, DX, stride_x, stride_dy, stride_dx, F, beta, beta_lin, BLOCK_F: tl.constexpr):
+    beta, beta_lin = as_fp32(beta), as_fp32(beta_lin)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = offs < F
