@@ -178,10 +178,12 @@ def test_ablation_script_writes_table_and_json(tmp_path):
     assert eager["graphs"] == 0 and eager["max_abs_dloss"] == 0
     assert compiled["graphs"] >= 1 and compiled["graph_breaks"] == 0
     assert compiled["max_abs_dloss"] < 1e-3  # fp32: the compiled steps follow the eager loss curve
+    assert eager["mean_abs_dloss"] == 0 and compiled["mean_abs_dloss"] <= compiled["max_abs_dloss"]
     for r in runs.values():
         assert len(r["losses"]) == 3 and r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["compile_s"] >= 0
     table = (out / "results.md").read_text()
     assert "| mode | tokens/s | speed-up |" in table and "\n| default | " in table
+    assert "| max \\|dloss\\| vs eager | mean \\|dloss\\| |" in table
     assert "| 1.00x |" in next(line for line in table.splitlines() if line.startswith("| none |"))
     for mode in ("none", "default"):  # --profile: one extra profiled step per mode, kernels by time
         assert "Self CPU" in (out / f"profile_{mode}.txt").read_text()

@@ -7,7 +7,7 @@ import contextlib
 import torch
 import torch._dynamo
 
-from lowerings.inductor.modes import compile_mode
+from lowerings.inductor.modes import CompileMode, compile_mode
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 
 
@@ -15,12 +15,12 @@ class _ForwardScope:
     """Holds the mode's lowering flags and recompile limit from a forward's pre-hook to its (always-called)
     hook: Dynamo traces the compiled blocks inside the model forward, so that is where both must hold."""
 
-    def __init__(self, mode: str, recompile_limit: int) -> None:
-        self.mode, self.recompile_limit = mode, recompile_limit
+    def __init__(self, spec: CompileMode, recompile_limit: int) -> None:
+        self.spec, self.recompile_limit = spec, recompile_limit
         self._stacks: list[contextlib.ExitStack] = []
 
     def enter(self, module: torch.nn.Module, args: tuple) -> None:
-        spec = compile_mode(self.mode)
+        spec = self.spec
         if spec.cudagraphs:
             # each forward starts a new CUDA-graph generation: the previous one's outputs are dead by now
             # (its backward ran), which cudagraph trees cannot infer across separately compiled blocks.
@@ -52,6 +52,6 @@ def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool) -> None:
     for block in model.layers.values():
         block.compile(fullgraph=fullgraph, **options)
     limit = max(torch._dynamo.config.recompile_limit, 4 * len(model.layers) + 8)
-    scope = _ForwardScope(mode, limit)
+    scope = _ForwardScope(spec, limit)
     model.register_forward_pre_hook(scope.enter)
     model.register_forward_hook(scope.exit, always_call=True)
