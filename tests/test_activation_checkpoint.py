@@ -6,6 +6,7 @@ import torch
 from titan_kimi.checkpoint.destinations import canonical_fqn
 from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_kimi.training.loss import LinearCrossEntropyLoss
 
 
 def loss_and_grads(mode, option):
@@ -15,7 +16,8 @@ def loss_and_grads(mode, option):
     apply_activation_checkpointing(model, mode, option)
     tokens = torch.randint(0, 2048, (2, 24))
     doc_ids = torch.tensor([[1] * 24, [1] * 10 + [2] * 14])
-    loss = model(tokens, doc_ids=doc_ids, labels=tokens, loss_normalizer=48.0)
+    hidden = model(tokens, doc_ids=doc_ids, return_hidden=True)
+    loss = LinearCrossEntropyLoss(512)(model.output, hidden, tokens, 48.0)
     loss.backward()
     grads = {canonical_fqn(n): p.grad for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, model

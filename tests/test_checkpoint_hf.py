@@ -264,7 +264,7 @@ def test_pipeline_stage_reads_only_its_keys_and_matches_the_full_model(tmp_path)
             hidden, bank = full.layers[str(i)](hidden, bank, seq)
         stage_hidden, stage_bank = first(TOKENS)
         assert torch.equal(stage_hidden, hidden) and torch.equal(stage_bank, bank)
-        assert torch.equal(second(hidden=stage_hidden, bank=stage_bank), full(TOKENS))
+        assert torch.equal(second(stage_hidden, stage_bank), full(TOKENS))
 
 
 def _localise_experts(model: KimiK3Model, first: int, last: int) -> None:

@@ -60,8 +60,8 @@ def test_pipeline_stages_reproduce_full_model_bit_exactly(cuts):
     expected = full(tokens, doc_ids=doc_ids)
     hidden, bank = stages[0](tokens, doc_ids=doc_ids)
     for stage in stages[1:-1]:
-        hidden, bank = stage(hidden=hidden, bank=bank, doc_ids=doc_ids)
-    logits = stages[-1](hidden=hidden, bank=bank, doc_ids=doc_ids)
+        hidden, bank = stage(hidden, bank, doc_ids=doc_ids)
+    logits = stages[-1](hidden, bank, doc_ids=doc_ids)
     assert torch.equal(logits, expected)
     cot = torch.randn_like(expected)
     expected.backward(cot)
@@ -80,7 +80,7 @@ def test_stage_boundaries_must_follow_blocks():
     with pytest.raises(ValueError, match="cuts an AttnRes block"):
         KimiK3Model(args, layer_range=(0, 3))
     with pytest.raises(ValueError, match="needs hidden and bank"):
-        KimiK3Model(args, layer_range=(4, 8))(hidden=torch.zeros(1, 2, 128))
+        KimiK3Model(args, layer_range=(4, 8))(torch.zeros(1, 2, 128))
 
 
 def test_debug_bf16_forward_backward_finite_and_fp32_params_kept():

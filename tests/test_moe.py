@@ -66,3 +66,34 @@ def test_situ_glu_gradient_matches_autograd_of_the_formula():
     (ref,) = torch.autograd.grad(situ_glu_formula(*exact.chunk(2, dim=-1)), exact, cot.double())
     assert rel_err(ours, ref) < 1e-6
     assert rel_err(ops.situ_glu(gate_up), situ_glu_formula(*exact.chunk(2, dim=-1))) < 1e-6
+
+
+def test_cuda_row_alignment_padding_changes_nothing():
+    """The padded copy that CUDA grouped GEMMs get (each expert's rows 8-aligned) gives the same output and
+    gradients as the unpadded rows, with empty and uneven experts."""
+    from titan_kimi.models.kimi_k3.moe import _aligned_for_grouped_mm
+
+    torch.manual_seed(1)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    experts = moe.experts
+    counts = torch.tensor([3, 0, 9, 1, 0, 0, 17, 2] + [0] * (experts.num_experts - 8))
+    x = torch.randn(int(counts.sum()), experts.w13.shape[-1], requires_grad=True)
+    cot = torch.randn(x.shape[0], experts.w2.shape[1])
+    ref = experts.run(experts.w13, experts.w2, x, counts)
+    out = _aligned_for_grouped_mm(experts.run, experts.w13, experts.w2, x, counts)
+    assert rel_err(out, ref) < 1e-6
+    g_ref = torch.autograd.grad(ref, [x, experts.w13], cot)
+    g_out = torch.autograd.grad(out, [x, experts.w13], cot)
+    for a, b in zip(g_out, g_ref):
+        assert rel_err(a, b) < 1e-6
+
+
+def test_router_load_is_counted_per_expert():
+    torch.manual_seed(2)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    moe(torch.randn(2, 5, 128))
+    moe(torch.randn(1, 3, 128))
+    assert moe.tokens_per_expert.sum().item() == (2 * 5 + 3) * moe.top_k
+    assert "tokens_per_expert" not in moe.state_dict()

@@ -27,6 +27,7 @@ from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, in
 from titan_kimi.parallel.layout import ParallelLayout, reject_unbuilt, resolve_layout
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
@@ -75,6 +76,7 @@ class Trainer:
         self.accum_steps = self.global_batch // (t.local_batch_size * self.dp)
 
         self.tokenizer = tokenizer_from_config(cfg, args)
+        self.loss_fn = LinearCrossEntropyLoss(t.loss_chunk_size)
         self.model = self._build_model()
         self.counts = count_params(self.model)
         self.flops_per_token = training_flops_per_token(args, t.seq_len, self.counts)
@@ -181,10 +183,8 @@ class Trainer:
         ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                else torch.autocast(self.device.type, enabled=False))
         with ctx:
-            return self.model(
-                batch["input_ids"], doc_ids=batch["doc_ids"], labels=batch["labels"],
-                loss_normalizer=normalizer, loss_chunk_size=self.cfg.training.loss_chunk_size,
-            )
+            hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True)
+            return self.loss_fn(self.model.output, hidden, batch["labels"], normalizer)
 
     def train_step(self, data_iter) -> StepMetrics:
         cfg, t0 = self.cfg, time.perf_counter()

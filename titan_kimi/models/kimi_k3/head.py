@@ -1,4 +1,5 @@
-"""The lm_head, which also computes the chunked cross-entropy so logits never exist for the whole batch."""
+"""The lm_head: logits, or (for the training loss) the chunked linear cross-entropy, in which logits never exist
+for the whole batch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from lowerings import ops
 class LMHead(nn.Module):
     """``forward(hidden)`` -> logits; ``forward(hidden, labels, normalizer=N)`` -> summed CE / N.
 
-    The loss lives in ``forward`` so that FSDP's hooks see every use of the weight.
+    The model's forward only produces logits; the training loss (``titan_kimi.training.loss``) calls the head
+    with labels, through ``forward`` so that FSDP's hooks see every use of the weight.
     """
 
     def __init__(self, dim: int, vocab_size: int) -> None:

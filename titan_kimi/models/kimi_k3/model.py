@@ -46,29 +46,32 @@ class KimiK3Model(nn.Module):
 
     def forward(
         self,
-        tokens: torch.Tensor | None = None,
-        *,
-        hidden: torch.Tensor | None = None,
+        x: torch.Tensor,
         bank: torch.Tensor | None = None,
+        *,
         doc_ids: torch.Tensor | None = None,
         seq: SequenceInfo | None = None,
-        labels: torch.Tensor | None = None,
-        loss_normalizer: torch.Tensor | float | None = None,
-        loss_chunk_size: int = 512,
+        return_hidden: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """First stage: ``tokens [B,S]``. Later stages: ``hidden [B,S,H]`` and ``bank [B*S,m,H]``.
+        """Positional stage I/O, as pipeline stages receive it: the first stage takes ``x = tokens [B,S]``; a
+        later stage takes ``x = hidden [B,S,H]`` and ``bank [B*S,m,H]`` from the stage before.
 
         ``doc_ids [B,S]`` (0 = padding) makes attention document-causal and resets KDA at each document.
-        Returns logits ``[B,S,V]`` from the last stage, else ``(hidden, bank)``. With ``labels [B,S]`` the last
-        stage returns the chunked cross-entropy summed over valid tokens and divided by ``loss_normalizer``.
+        A stage that is not last returns ``(hidden, bank)``. The last stage returns logits ``[B,S,V]``, or with
+        ``return_hidden`` the final normed hidden states ``[B,S,H]``, to which the training loss applies the head
+        chunk by chunk (``titan_kimi.training.loss``) so that ``[B,S,V]`` logits never exist.
         """
         if self.is_first:
-            if tokens is None:
-                raise ValueError("the first stage needs tokens [B, S]")
-            hidden = self.tok_embeddings(tokens)
+            if x is None or x.is_floating_point():
+                raise ValueError("the first stage takes token ids [B, S] (an integer tensor)")
+            hidden = self.tok_embeddings(x)
             bank = hidden.new_empty(hidden.shape[0] * hidden.shape[1], 0, hidden.shape[2])
-        elif hidden is None or bank is None:
-            raise ValueError(f"a stage starting at layer {self.first_layer} needs hidden and bank from the previous stage")
+        elif x is None or bank is None:
+            raise ValueError(
+                f"a stage starting at layer {self.first_layer} needs hidden and bank from the previous stage"
+            )
+        else:
+            hidden = x
         B, S = hidden.shape[:2]
         if seq is None:
             seq = build_sequence_info(B, S, hidden.device, doc_ids)
@@ -79,9 +82,7 @@ class KimiK3Model(nn.Module):
         if self.output_mix is not None:
             hidden = self.output_mix(bank, hidden)
         hidden = self.norm(hidden)
-        if labels is None:
-            return self.output(hidden)
-        return self.output(hidden, labels, normalizer=loss_normalizer, chunk_size=loss_chunk_size)
+        return hidden if return_hidden else self.output(hidden)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

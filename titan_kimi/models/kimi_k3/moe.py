@@ -2,14 +2,14 @@
 latent space, router weights applied after the expert down-projection, latent RMSNorm, shared expert.
 
 Module names follow torchtitan (``moe.router``, ``moe.experts`` with ``forward(x, num_tokens_per_expert)``)
-so its expert-parallel style applies to ``moe.experts`` unchanged.
+so its expert-parallel style applies to ``moe.experts`` unchanged (``titan_kimi.parallel.expert_parallel``):
+this file holds the local computation only.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from lowerings import ops
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
@@ -64,17 +64,14 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """``x [N, L]`` sorted by expert with ``num_tokens_per_expert [E_local]`` rows each -> ``[N, L]``."""
-        w13, w2 = self.w13, self.w2
-        expert_parallel = isinstance(w13, DTensor) and "ep" in (w13.device_mesh.mesh_dim_names or ())
-        if isinstance(w13, DTensor):
-            # Tokens per expert vary step to step, which DTensor cannot express; run on the local shards.
-            w13, w2 = w13.to_local(), w2.to_local()
-        if x.is_cuda and not expert_parallel:
-            return _padded_for_grouped_mm(self._run, w13, w2, x, num_tokens_per_expert)
-        return self._run(w13, w2, x, num_tokens_per_expert)
+        """``x [N, L]`` sorted by expert with ``num_tokens_per_expert [E]`` rows each -> ``[N, L]``."""
+        if x.is_cuda:
+            return _aligned_for_grouped_mm(self.run, self.w13, self.w2, x, num_tokens_per_expert)
+        return self.run(self.w13, self.w2, x, num_tokens_per_expert)
 
-    def _run(self, w13, w2, x, num_tokens_per_expert):
+    def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
+            num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The expert MLPs on ``x`` whose rows are grouped by expert (``num_tokens_per_expert`` rows each)."""
         # grouped_mm is not autocast-aware: follow the activations' dtype (a no-op under FSDP mixed precision).
         w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
@@ -103,13 +100,25 @@ def _masked_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     return out
 
 
-def _padded_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert):
-    """CUDA grouped GEMMs need every expert's row count aligned; torchtitan's permutation pads them."""
-    from torchtitan.models.moe.utils import _permute, _unpermute
+# CUDA grouped GEMMs want each expert's row block 16-byte aligned: 8 rows of bf16 (as torchtitan pads).
+GROUP_ROW_ALIGN = 8
 
-    num_local = w13.shape[0]
-    shape, x, permuted, counts = _permute(x, num_tokens_per_expert, num_tokens_per_expert.shape[0] // num_local, num_local)
-    return _unpermute(run(w13, w2, x, counts), shape, permuted)
+
+def _aligned_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert, align: int = GROUP_ROW_ALIGN):
+    """Run ``run`` on a copy of ``x`` in which every expert's rows start at a multiple of ``align``.
+
+    Static shapes and no host sync: the padded buffer has room for the worst case (``align - 1`` rows of
+    padding per expert), every row's destination is computed on the device.
+    """
+    rows, experts = x.shape[0], num_tokens_per_expert.shape[0]
+    counts = num_tokens_per_expert.to(torch.int64)
+    padded = (counts + align - 1) // align * align
+    ends = counts.cumsum(0)
+    row = torch.arange(rows, device=x.device)
+    expert = torch.searchsorted(ends, row, right=True)
+    dest = (padded.cumsum(0) - padded)[expert] + row - (ends - counts)[expert]
+    buffer = x.new_zeros(rows + experts * (align - 1), x.shape[1]).index_copy(0, dest, x)
+    return run(w13, w2, buffer, padded)[dest]
 
 
 class LatentMoE(nn.Module):
@@ -135,6 +144,10 @@ class LatentMoE(nn.Module):
             else None
         )
         self.init_std = args.init_std
+        # Tokens routed to each expert since the trainer last read and reset it (the load metrics: balance
+        # decides expert-parallel speed). Not persistent: it is not a weight.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape
@@ -144,7 +157,10 @@ class LatentMoE(nn.Module):
         flat = indices.view(-1)
         order = torch.argsort(flat, stable=True)
         # histc keeps the output shape static (bincount's is data dependent), which compile needs.
-        counts = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts).to(torch.int64)
+        counts_f = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts_f)
+        counts = counts_f.to(torch.int64)
         routed = self.experts(z[order // self.top_k], counts)
         unsorted = torch.empty_like(routed)
         unsorted[order] = routed
@@ -167,3 +183,4 @@ class LatentMoE(nn.Module):
             self.routed_expert_norm.init_weights()
         if self.shared_experts is not None:
             self.shared_experts.init_weights()
+        self.tokens_per_expert.zero_()
