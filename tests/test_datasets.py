@@ -283,9 +283,35 @@ def test_loader_errors(tok, tmp_path):
         build_dataloader("hellaswag", None, tok, **{**common, "local_batch_size": 400})
     loader = build_dataloader("synthetic", None, None, vocab_size=50, **common)
     state = loader.state_dict()
-    other = build_dataloader("synthetic", None, None, vocab_size=50, **{**common, "dp_world_size": 2})
-    with pytest.raises(ValueError, match="saved with dp_world_size=1 but this loader has dp_world_size=2"):
+    other = build_dataloader("synthetic", None, None, vocab_size=50, **{**common, "seed": 1})
+    with pytest.raises(ValueError, match="saved with seed=0 but this loader has seed=1"):
         other.load_state_dict(state)
+    next(iter(loader))  # 2 samples consumed: a split into batches of 4 does not end there
+    wider = build_dataloader("synthetic", None, None, vocab_size=50, **{**common, "local_batch_size": 4})
+    with pytest.raises(ValueError, match="2 samples of epoch 0 were consumed .* batches of 1 x 4 = 4 do not end"):
+        wider.load_state_dict(loader.state_dict())
+
+
+def test_state_resumes_under_another_data_parallel_split(tok):
+    """Two ranks of 2 sequences and one rank of 4 read the same samples per step; a state saved by one split
+    continues in the other with the samples that would have come next."""
+    def make(rank, world, batch):
+        return build_dataloader("hellaswag", None, tok, seq_len=64, local_batch_size=batch, dp_rank=rank,
+                                dp_world_size=world, seed=3, shuffle=True)
+
+    rows = lambda batch: {tuple(r.tolist()) for r in batch["input_ids"]}
+    pair = [make(r, 2, 2) for r in range(2)]
+    iters = [iter(ld) for ld in pair]
+    for _ in range(3):
+        [next(it) for it in iters]
+    single = make(0, 1, 4)
+    single.load_state_dict(pair[0].state_dict())
+    assert rows(next(iter(single))) == rows(next(iters[0])) | rows(next(iters[1]))
+    old = {**single.state_dict(), "version": 1, "batch_in_epoch": 4, "dp_world_size": 1, "local_batch_size": 4}
+    del old["samples_in_epoch"]
+    again = make(1, 2, 2)
+    again.load_state_dict(old)  # a version-1 state (batches of its own split) converts to samples
+    assert again.state_dict()["samples_in_epoch"] == 16
 
 
 def test_resume_saved_exactly_at_an_epoch_end(tok):
@@ -297,7 +323,7 @@ def test_resume_saved_exactly_at_an_epoch_end(tok):
     n = len(loader)
     uninterrupted = take(make(), n + 3)
     take(loader, n)
-    assert loader.state_dict()["batch_in_epoch"] == n
+    assert loader.state_dict()["samples_in_epoch"] == n * 8
     resumed = make()
     resumed.load_state_dict(loader.state_dict())
     assert batches_equal(take(resumed, 3), uninterrupted[n:])

@@ -31,20 +31,25 @@ def test_full_scale_recipes_pass_dry_run(capsys, recipe, total, active):
     out = run_main(capsys, "--job.config_file", f"train_configs/{recipe}.toml", "--job.dry_run", "--job.world_size", "256")
     assert f"params total={total} active={active}" in out.splitlines()
     assert "dp_shard 32" in out and "pp 8" in out and "ep 32" in out
+    lines = out.splitlines()
+    assert "# stage 0: layers [0, 12) on pp rank 0" in lines and "# stage 7: layers [84, 93) on pp rank 7" in lines
+    # FSDP32 x EP32 x PP8: each rank holds ~11.3 B parameters of the middle stages (docs/checkpoints.md table).
+    assert any(line.startswith("# pp rank 1: 11.3") and "GiB" in line for line in lines), lines
 
 
 def test_dry_run_rejects_a_layout_that_does_not_fit(capsys):
     with pytest.raises(ValueError, match=r"expert_parallel_degree = 32 .*does not divide data_parallel_shard_degree \(16\)"):
         run_main(capsys, "--job.config_file", "train_configs/k3_hellaswag.toml", "--job.dry_run", "--job.world_size", "128")
-    with pytest.raises(ValueError, match="pipeline_parallel_degree = 16 exceeds the model's 8 AttnRes blocks"):
+    with pytest.raises(ValueError, match=r"pipeline_parallel_degree = 16 with 1 stage\(s\) per rank \(1F1B\) is 16 "
+                                         r"stages, but the model's 93 layers are 8 AttnRes blocks"):
         run_main(capsys, "--job.config_file", "train_configs/k3_hellaswag.toml", "--job.dry_run",
                  "--job.world_size", "512", "--parallelism.pipeline_parallel_degree", "16")
 
 
 def test_real_run_rejects_parallelism_not_built_yet(capsys):
-    with pytest.raises(ValueError, match="expert_parallel_degree = 2: titan_kimi.train runs data parallelism"):
-        run_main(capsys, *TINY, "--parallelism.expert_parallel_degree", "2", "--job.world_size", "2",
-                 "--parallelism.data_parallel_shard_degree", "2")
+    with pytest.raises(ValueError, match="context_parallel_degree = 2: context parallelism is not built yet"):
+        run_main(capsys, *TINY, "--parallelism.context_parallel_degree", "2", "--job.world_size", "2",
+                 "--parallelism.data_parallel_shard_degree", "1")
 
 
 def read_metrics(folder):

@@ -19,18 +19,21 @@ import numpy as np
 import torch
 
 from lowerings.ops import configure_backends
-from titan_kimi.checkpoint import CheckpointManager, export_hf_checkpoint, load_model_weights, training_state
+from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_checkpoint, load_model_weights,
+                                   training_state)
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX, build_dataloader
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, init_distributed, pick_device
 from titan_kimi.parallel.layout import ParallelLayout, reject_unbuilt, resolve_layout
+from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
-from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
+from titan_kimi.training.optimizer import OptimizerParts, SchedulerParts, build_lr_scheduler, build_optimizer
+from titan_kimi.training.router_load import RouterLoad
 
 logger = logging.getLogger("titan_kimi")
 
@@ -48,13 +51,20 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def dry_run(cfg, args, layout: ParallelLayout) -> None:
-    """Build on the meta device, check the layout, print the resolved config and the parameter counts."""
+    """Build on the meta device, check the layout, print the resolved config, the stage split, the parameter
+    counts and the per-rank estimate."""
+    from titan_kimi.parallel.estimate import describe_ranks
+
     model = build_meta_model(args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer)
     counts = count_params(model)
     print(to_toml(cfg))
     print(f"# layout: {layout.describe()}")
+    for line in layout.pipeline.describe() if layout.pipeline is not None else ():
+        print(f"# {line}")
     print(f"# model: {cfg.model.flavor if not cfg.model.hf_config_path else cfg.model.hf_config_path}, "
           f"{args.n_layers} layers, flops/token {training_flops_per_token(args, cfg.training.seq_len, counts):.4g}")
+    for line in describe_ranks(cfg, args, layout):
+        print(f"# {line}")
     print(f"params total={counts.total} active={counts.active}")
 
 
@@ -66,7 +76,11 @@ class Trainer:
         seed_everything(cfg.job.seed, cfg.job.deterministic)
         self.dump = Path(cfg.job.dump_folder)
         t = cfg.training
+        self.distributed = env.launched and env.world_size > 1
+        # Every mesh comes from torchtitan's ParallelDims; the batch mesh says which data this rank reads.
+        self.meshes: Meshes | None = build_meshes(layout, self.device.type) if self.distributed else None
         self.dp = layout.dp
+        self.dp_rank = self.meshes.dp_rank if self.meshes is not None else 0
         self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * self.dp
         if self.global_batch % (t.local_batch_size * self.dp):
             raise ValueError(
@@ -74,22 +88,33 @@ class Trainer:
                 f"data-parallel degree = {t.local_batch_size} x {self.dp}"
             )
         self.accum_steps = self.global_batch // (t.local_batch_size * self.dp)
+        if layout.pp > 1 and cfg.checkpoint.enable and cfg.checkpoint.last_save_in_hf:
+            raise ValueError(
+                "checkpoint.last_save_in_hf = true with parallelism.pipeline_parallel_degree = "
+                f"{layout.pp}: an HF export needs every layer in one process; save DCP (last_save_in_hf = false) "
+                "and run scripts/convert_checkpoint.py dcp-to-hf")
 
         self.tokenizer = tokenizer_from_config(cfg, args)
         self.loss_fn = LinearCrossEntropyLoss(t.loss_chunk_size)
-        self.model = self._build_model()
-        self.counts = count_params(self.model)
+        self.counts = count_params(build_meta_model(args, DTYPES[cfg.model.dtype],
+                                                    freeze_indexer=cfg.model.freeze_indexer))
+        self.model_parts, self.pipeline = self._build_model_parts()
+        self.model = self.model_parts[0]  # the whole model unless pipelined
         self.flops_per_token = training_flops_per_token(args, t.seq_len, self.counts)
-        self.named_params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer([self.model], cfg.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, t.steps)
+        self.named_params = [(n, p) for part in self.model_parts for n, p in part.named_parameters()
+                             if p.requires_grad]
+        self.optimizer = OptimizerParts([build_optimizer([part], cfg.optimizer) for part in self.model_parts])
+        self.lr_scheduler = SchedulerParts([build_lr_scheduler(opt, cfg.lr_scheduler, t.steps)
+                                            for opt in self.optimizer.optimizers])
+        self.router_load = RouterLoad(self.model_parts, args)
         self.dataloader = self._build_dataloader(cfg.data.path, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
         self.validation_loader = self._build_validation_loader() if cfg.validation.enable else None
         # Every validation starts from the first batch, so runs that stop at validation.steps stay comparable.
         self.validation_start = self.validation_loader.state_dict() if self.validation_loader else None
         self.step = 0
         self.checkpointer = CheckpointManager.from_config(cfg.checkpoint, cfg.job.dump_folder)
-        self.train_state = training_state(self.model, self.optimizer, self.lr_scheduler, self.dataloader)
+        self.train_state = training_state(self.model_parts, self.optimizer.optimizers, self.lr_scheduler,
+                                          self.dataloader)
         self._restore()
         self.metrics = MetricsLogger(
             self.dump, cfg.metrics.log_freq, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
@@ -100,34 +125,86 @@ class Trainer:
                     self.global_batch, self.dp, t.local_batch_size, self.accum_steps)
 
     # ------------------------------------------------------------------ setup
-    def _build_model(self) -> KimiK3Model:
-        """Initialise, then parallelise. Models up to FULL_INIT_BYTES are initialised whole on every rank from
-        the same seed before sharding, so any layout starts from the same weights as one process; larger ones
-        are initialised shard by shard (same distribution, different draws)."""
-        cfg = self.cfg
-        model = build_meta_model(self.args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer)
-        full_init = count_params(model).total * 4 <= FULL_INIT_BYTES
-        if full_init:
-            self._materialize(model)
-        distributed = self.env.launched and self.env.world_size > 1
-        self.autocast_dtype = None
-        if distributed:
-            from titan_kimi.parallel.parallelize import parallelize
+    def _build_model_parts(self):
+        """This rank's model parts (the whole model, or its pipeline stages), initialised, then parallelised.
 
-            parallelize(model, cfg, self.layout, self.device)
+        Models up to FULL_INIT_BYTES are initialised whole from the seed and copied into the parts before
+        sharding, so any layout starts from the same weights as one process; larger ones are initialised part by
+        part, shard by shard (same distribution, different draws)."""
+        cfg, layout = self.cfg, self.layout
+        plan = layout.pipeline
+        pp_rank = self.meshes.pp_rank if self.meshes is not None else 0
+        indices = plan.stages_of_rank(pp_rank) if plan is not None else [None]
+        dtype = DTYPES[cfg.model.dtype]
+        parts = [build_meta_model(self.args, dtype, freeze_indexer=cfg.model.freeze_indexer,
+                                  layer_range=plan.ranges[i] if plan is not None else None) for i in indices]
+        full_init = self.counts.total * 4 <= FULL_INIT_BYTES
+        if full_init:
+            self._materialize_from_whole(parts)
+        self.autocast_dtype = None
+        if self.distributed:
+            from titan_kimi.parallel.parallelize import mixed_precision_dtype, parallelize
+
+            sharded = [parallelize(part, cfg, self.meshes, self.device) for part in parts]
+            if not all(sharded):  # no data-parallel mesh (pipeline parallelism alone): autocast instead
+                self.autocast_dtype = mixed_precision_dtype(cfg)
         else:
             from titan_kimi.parallel.parallelize import apply_single_device
 
-            self.autocast_dtype = apply_single_device(model, cfg)
+            self.autocast_dtype = apply_single_device(parts[0], cfg)
         if not full_init:
-            self._materialize(model)
-        model.train()
-        return model
+            for part in parts:
+                self._materialize(part)
+        for part in parts:
+            part.train()
+        pipeline = self._build_pipeline(parts, indices) if plan is not None else None
+        return parts, pipeline
 
     def _materialize(self, model: KimiK3Model) -> None:
         model.to_empty(device=self.device)
         torch.manual_seed(self.cfg.job.seed)
         model.init_weights()
+
+    def _materialize_from_whole(self, parts: list[KimiK3Model]) -> None:
+        if len(parts) == 1 and parts[0].is_first and parts[0].is_last:
+            self._materialize(parts[0])
+            return
+        whole = build_meta_model(self.args, DTYPES[self.cfg.model.dtype], freeze_indexer=self.cfg.model.freeze_indexer)
+        self._materialize(whole)
+        values = whole.state_dict()
+        for part in parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                for name, tensor in part.state_dict().items():
+                    tensor.copy_(values[name])
+            for module in part.modules():
+                if hasattr(module, "tokens_per_expert"):
+                    module.tokens_per_expert.zero_()
+        del whole, values
+
+    def _build_pipeline(self, parts: list[KimiK3Model], indices: list[int]):
+        from titan_kimi.parallel.fsdp import set_summed_gradients
+        from titan_kimi.parallel.pipeline import PipelineRunner, PipelineStageModule, build_schedule
+
+        cfg, layout = self.cfg, self.layout
+        from torch.distributed.fsdp import fully_shard
+
+        mixed = cfg.training.mixed_precision and cfg.model.dtype != cfg.training.param_dtype
+        boundary = DTYPES[cfg.training.param_dtype] if mixed and self.autocast_dtype is None else \
+            DTYPES[cfg.model.dtype]
+        modules = []
+        for index, part in zip(indices, parts):
+            module = PipelineStageModule(part, self.loss_fn, boundary_dtype=boundary,
+                                         autocast_dtype=self.autocast_dtype)
+            if self.meshes.dense is not None:  # the stage wrapper is the FSDP root (pipelining's no-sync logic)
+                fully_shard(module, mesh=self.meshes.dense, reshard_after_forward=False)
+                set_summed_gradients(module, self.device.type != "cuda")
+            modules.append((index, module))
+        mb = layout.microbatch_size
+        schedule, stages = build_schedule(
+            layout.pipeline, modules, device=self.device, group=self.meshes.pp_group,
+            n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb, seq_len=cfg.training.seq_len)
+        return PipelineRunner(schedule, stages, [m for _, m in modules])
 
     def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True):
         dataset = self.cfg.data.dataset
@@ -139,7 +216,7 @@ class Trainer:
         t = self.cfg.training
         return build_dataloader(
             dataset, path or None, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=self.env.rank if self.env.launched else 0, dp_world_size=self.dp, seed=seed,
+            dp_rank=self.dp_rank, dp_world_size=self.dp, seed=seed,
             shuffle=shuffle, infinite=infinite, vocab_size=self.args.vocab_size,
         )
 
@@ -160,7 +237,8 @@ class Trainer:
             self.step = restored
             logger.info("resumed from %s at step %d", self.checkpointer.step_dir(restored), restored)
         elif cfg.initial_load_path:
-            fmt = load_model_weights(self.model, cfg.initial_load_path)
+            for part in self.model_parts:
+                fmt = load_model_weights(part, cfg.initial_load_path)
             logger.info("initial weights from %s (%s)", cfg.initial_load_path, fmt)
 
     def _final_save(self) -> None:
@@ -174,7 +252,7 @@ class Trainer:
             export_hf_checkpoint(self.model, path, dtype=DTYPES[cfg.export_dtype], overwrite=True)
             logger.info("exported HF safetensors to %s", path)
         elif cfg.last_save_model_only:
-            self.checkpointer.save(self.step, {"model": self.model}, force=True)
+            self.checkpointer.save(self.step, {"model": ModelState(self.model_parts)}, force=True)
         else:
             self.checkpointer.save(self.step, self.train_state, force=True)
 
@@ -186,19 +264,34 @@ class Trainer:
             hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True)
             return self.loss_fn(self.model.output, hidden, batch["labels"], normalizer)
 
+    def _global_valid_tokens(self, batches: list[dict]) -> torch.Tensor:
+        """Tokens with a label over the whole optimizer step: every micro-batch of every data-parallel rank (the
+        ranks of one pipeline read the same batch, so the world sum counts it once per pipeline rank)."""
+        local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)  # on the host: no device sync
+        total = all_reduce_sum(torch.tensor(float(local), dtype=torch.float32, device=self.device))
+        return total / self.layout.pp
+
+    def _micro_step(self, batch: dict, normalizer: torch.Tensor, *, backward: bool) -> torch.Tensor:
+        """Forward (and backward) of one local batch; returns this rank's share of the normalised loss."""
+        if self.pipeline is not None:
+            return self.pipeline.step(batch, float(normalizer), backward=backward)
+        loss = self._forward_loss(batch, normalizer)
+        if backward:
+            loss.backward()
+        return loss.detach()
+
     def train_step(self, data_iter) -> StepMetrics:
         cfg, t0 = self.cfg, time.perf_counter()
-        batches = [{k: v.to(self.device) for k, v in next(data_iter).items()} for _ in range(self.accum_steps)]
-        local_valid = sum((b["labels"] != IGNORE_INDEX).sum() for b in batches)
+        host = [next(data_iter) for _ in range(self.accum_steps)]
         # The loss of every micro-batch on every rank is divided by the step's global count of valid tokens.
-        global_valid = all_reduce_sum(torch.as_tensor(local_valid, dtype=torch.float32, device=self.device))
+        global_valid = self._global_valid_tokens(host)
+        batches = [{k: v.to(self.device) for k, v in b.items()} for b in host]
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in batches:
-            loss = self._forward_loss(batch, global_valid)
-            loss.backward()
-            loss_sum += loss.detach()
-        loss_value = float(all_reduce_sum(loss_sum))
-        clip = clip_gradients(self.named_params, cfg.training.max_norm)
+            loss_sum += self._micro_step(batch, global_valid, backward=True)
+        loss_value = float(all_reduce_sum(loss_sum))  # ranks without the last pipeline stage add 0
+        clip = clip_gradients(self.named_params, cfg.training.max_norm,
+                              self.meshes.pp_group if self.meshes is not None else None)
         skipped = not clip.finite
         if skipped:
             message = f"step {self.step}: non-finite gradients (norm {clip.grad_norm}) in {clip.report}"
@@ -213,6 +306,7 @@ class Trainer:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        load = self.router_load.read_and_reset()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
@@ -223,24 +317,30 @@ class Trainer:
             tokens_per_sec=tokens / dt, tokens_per_sec_per_device=per_device,
             mfu=per_device * self.flops_per_token / cfg.metrics.peak_flops,
             peak_mem_gib=peak_memory_gib(self.device), skipped=skipped,
+            expert_load_max=load.max if load else None, expert_load_min=load.min if load else None,
         )
 
     @torch.no_grad()
     def validate(self) -> None:
         cfg = self.cfg
         self.validation_loader.load_state_dict(self.validation_start)
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        count = torch.zeros((), dtype=torch.float32, device=self.device)
+        count = 0
+        one = torch.ones((), device=self.device)
         for i, batch in enumerate(self.validation_loader):
             if cfg.validation.steps != -1 and i >= cfg.validation.steps:
                 break
+            count += int((batch["labels"] != IGNORE_INDEX).sum())
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            total += self._forward_loss(batch, torch.ones((), device=self.device))
-            count += (batch["labels"] != IGNORE_INDEX).sum()
-        total, count = all_reduce_sum(total), all_reduce_sum(count)
-        self.model.train()
-        self.metrics.log_validation(self.step, float(total / count.clamp(min=1)), int(count))
+            total += self._micro_step(batch, one, backward=False)
+        total = all_reduce_sum(total)
+        count = float(all_reduce_sum(torch.tensor(float(count), device=self.device))) / self.layout.pp
+        for part in self.model_parts:
+            part.train()
+        self.router_load.read_and_reset()  # validation routing is not training load
+        self.metrics.log_validation(self.step, float(total) / max(count, 1.0), int(count))
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
@@ -278,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     world_size = cfg.job.world_size or env.world_size
     if not cfg.job.world_size and "WORLD_SIZE" not in os.environ:
         validate_job_config(cfg, launcher_world_size=world_size)  # a plain process: check against 1 rank
-    layout = resolve_layout(cfg.parallelism, world_size, args)
+    layout = resolve_layout(cfg.parallelism, world_size, args, local_batch_size=cfg.training.local_batch_size)
     if cfg.job.print_config and env.is_main and not cfg.job.dry_run:
         print(to_toml(cfg))
     if cfg.job.dry_run:

@@ -224,7 +224,9 @@ def training_state(
     elif lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler
     if dataloader is not None:
-        state["dataloader"] = RankLocal(dataloader)
+        # The loader's position is the same on every rank and independent of the layout (dataloader.py): one
+        # entry, so that a run resumes under another data-parallel split.
+        state["dataloader"] = dataloader
     if rng:
         state["rng"] = RNGState()
     state.update({k: v for k, v in extra.items() if v is not None})

@@ -9,6 +9,7 @@ process) and under torchrun.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -24,7 +25,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, global_rank
+from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RNGState, global_rank
+
+logger = logging.getLogger("titan_kimi")
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -238,6 +241,12 @@ class CheckpointManager:
         state = _prepare_state(state)
         path = self.step_dir(step)
         saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        for name in [n for n, v in state.items() if isinstance(v, RNGState)]:
+            if not any(k.startswith(f"{name}.rank_{global_rank()}.") for k in saved):
+                # Saved by fewer ranks (another layout): this rank's streams restart from the run's seed.
+                logger.warning("checkpoint %s holds no RNG state for rank %d (saved under another layout); "
+                               "its random streams continue from the seed", path, global_rank())
+                state = {k: v for k, v in state.items() if k != name}
         optimizers = {name: v for name, v in state.items() if isinstance(v, OptimizerState)}
         for name, value in optimizers.items():
             value.restrict_to({k[len(name) + 1 :] for k in saved if k.startswith(name + ".")})

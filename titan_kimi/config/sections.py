@@ -107,15 +107,24 @@ class Parallelism:
     pipeline_parallel_degree: int = option(
         1, "pipeline stages (split at AttnRes block boundaries)", bounds=at_least(1))
     pipeline_parallel_schedule: str = option(
-        "1F1B", "pipeline schedule",
-        choices=("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"))
+        "1F1B", "pipeline schedule (torch.distributed.pipelining); Interleaved*/LoopedBFS run 2+ stages per rank, "
+        "ZBVZeroBubble/DualPipeV exactly 2 in a V",
+        choices=("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble",
+                 "DualPipeV"))
+    pipeline_parallel_stages_per_rank: int = option(
+        0, "pipeline stages on each rank (virtual stages); 0 = the schedule's own (1 for 1F1B/GPipe, else 2)",
+        bounds=at_least(0))
+    pipeline_parallel_split: list[int] = option(
+        [], "first layer of every pipeline stage after the first (multiples of the AttnRes block size); "
+        "[] = whole blocks split evenly, earlier stages taking the extra ones")
     pipeline_parallel_microbatch_size: int = option(
         1, "sequences per pipeline microbatch", bounds=at_least(1))
     expert_parallel_degree: int = option(
         1, "expert parallelism for the MoE experts (borrows from data_parallel_shard * context_parallel)",
         bounds=at_least(1))
     fsdp_reshard_after_forward: str = option(
-        "default", "free gathered parameters after forward: default = yes except on the last pipeline stage",
+        "default", "free gathered parameters after forward: default = yes without pipeline parallelism, no with "
+        "it (each microbatch would gather the stage's weights again); the output head always keeps them",
         choices=("default", "always", "never"))
 
 
@@ -155,7 +164,9 @@ class Compile:
         "none", "torch.compile mode; none = eager",
         choices=("none", "default", "inductor", "max-autotune", "reduce-overhead"))
     fullgraph: bool = option(True, "compile each block as one graph (graph breaks are errors)")
-    components: list[str] = option(["model", "loss"], "what to compile", choices=("model", "loss"))
+    components: list[str] = option(
+        ["model"], "what to compile: model = every decoder block, loss = the head's chunked linear cross-entropy",
+        choices=("model", "loss"))
 
 
 @dataclass

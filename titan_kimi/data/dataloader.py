@@ -6,9 +6,12 @@ round-robin, so dp rank r takes positions r, r + W, r + 2W, ...: the shards are 
 long. Each rank yields ``len // (W * local_batch_size)`` full batches per epoch (the remainder is
 dropped) and, when ``infinite``, moves on to the next epoch's order.
 
-Because every rank yields the same number of batches, the state (epoch, batches yielded in it) is
-the same on every rank; ``load_state_dict`` of a saved state continues with exactly the batch
-that would have come next.
+Because every rank yields the same number of batches, the state (epoch, samples of the epoch's order
+consumed by all ranks together) is the same on every rank, and it does not depend on the layout: the
+``W * B`` samples of a step are positions ``[t W B, (t + 1) W B)`` of the order for any split of that global
+batch into ``W`` ranks of ``B`` (the epoch length, ``len // (W B)`` global batches, too). So a state saved
+under one data-parallel degree resumes under another, continuing with exactly the samples that would have
+come next, whenever the position falls on a batch boundary of the new split.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from titan_kimi.data.batch import Batch, collate
 from titan_kimi.data.datasets import MapDataset, build_dataset
 from titan_kimi.data.tokenizer import KimiTokenizer
 
-STATE_VERSION = 1
-# Saved fields that must match the loader a state is loaded into.
-_MATCHING_FIELDS = ("dataset", "num_samples", "dp_world_size", "local_batch_size", "seed", "shuffle")
+STATE_VERSION = 2
+# Saved fields that must match the loader a state is loaded into (the data-parallel split may differ).
+_MATCHING_FIELDS = ("dataset", "num_samples", "seed", "shuffle")
 
 
 class ShardedDataLoader:
@@ -100,7 +103,7 @@ class ShardedDataLoader:
         return {
             "version": STATE_VERSION,
             "epoch": self._epoch,
-            "batch_in_epoch": self._batch_in_epoch,
+            "samples_in_epoch": self._batch_in_epoch * self.local_batch_size * self.dp_world_size,
             "dataset": self.name,
             "num_samples": self.num_samples,
             "dp_world_size": self.dp_world_size,
@@ -110,8 +113,9 @@ class ShardedDataLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"dataloader state version {state.get('version')!r} is not {STATE_VERSION}")
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"dataloader state version {version!r} is not {STATE_VERSION} (or 1)")
         current = self.state_dict()
         for field in _MATCHING_FIELDS:
             if state.get(field) != current[field]:
@@ -119,9 +123,21 @@ class ShardedDataLoader:
                     f"dataloader state was saved with {field}={state.get(field)!r} but this loader has "
                     f"{field}={current[field]!r}; resuming needs the same value"
                 )
-        epoch, batch = int(state["epoch"]), int(state["batch_in_epoch"])
+        epoch = int(state["epoch"])
+        if version == 1:  # batches of one rank, counted under the saved split
+            consumed = int(state["batch_in_epoch"]) * int(state["local_batch_size"]) * int(state["dp_world_size"])
+        else:
+            consumed = int(state["samples_in_epoch"])
+        per_batch = self.local_batch_size * self.dp_world_size
+        if consumed % per_batch:
+            raise ValueError(
+                f"dataloader state: {consumed} samples of epoch {epoch} were consumed (saved with "
+                f"{state.get('dp_world_size')} data-parallel ranks x {state.get('local_batch_size')} sequences); "
+                f"this run's batches of {self.dp_world_size} x {self.local_batch_size} = {per_batch} do not end "
+                f"there: resume with a global batch that divides {consumed}")
+        batch = consumed // per_batch
         if epoch < 0 or not 0 <= batch <= self.batches_per_epoch:
-            raise ValueError(f"dataloader state has epoch={epoch}, batch_in_epoch={batch}, out of range")
+            raise ValueError(f"dataloader state has epoch={epoch}, {consumed} samples consumed, out of range")
         self._epoch, self._batch_in_epoch = epoch, batch
 
 

@@ -37,21 +37,44 @@ class _ForwardScope:
             self._stacks.pop().close()
 
 
-def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool) -> None:
+def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_outside: bool = False) -> None:
     """Compile every decoder block in place (parameter names unchanged); ``none`` leaves the model eager.
 
     The blocks share one code object, so Dynamo counts every block variant (layer position, block type, AttnRes
     bank size, which inputs need grad, and once more when the packed document count first changes) against one
     recompile limit: it is raised to cover the stack, inside the forward only, rather than failing a fullgraph
     compile at Dynamo's default of 8.
+
+    ``experts_outside`` (expert parallelism): the expert dispatch reads token counts on the host for its
+    all-to-all, which no graph can hold; MoE blocks then compile each of their sub-modules except the routed
+    experts (torchtitan's rule), whose grouped GEMM and fused SiTU-GLU run as they are.
     """
     spec = compile_mode(mode)
     options = spec.compile_options()
     if options is None:
         return
     for block in model.layers.values():
-        block.compile(fullgraph=fullgraph, **options)
-    limit = max(torch._dynamo.config.recompile_limit, 4 * len(model.layers) + 8)
+        if experts_outside and getattr(block, "moe_enabled", False):
+            for part in _moe_block_parts(block):
+                part.compile(fullgraph=fullgraph, **options)
+        else:
+            block.compile(fullgraph=fullgraph, **options)
+    limit = max(torch._dynamo.config.recompile_limit, 8 * len(model.layers) + 8)
     scope = _ForwardScope(spec, limit)
     model.register_forward_pre_hook(scope.enter)
     model.register_forward_hook(scope.exit, always_call=True)
+
+
+def _moe_block_parts(block: torch.nn.Module) -> list[torch.nn.Module]:
+    moe = block.moe
+    parts = [block.attention, block.attention_norm, block.ffn_norm, moe.router, moe.shared_experts,
+             moe.routed_expert_down_proj, moe.routed_expert_up_proj, moe.routed_expert_norm]
+    parts += [block.attention_mix, block.ffn_mix] if block.block_size else []
+    return [p for p in parts if p is not None]
+
+
+def apply_loss_compile(head: torch.nn.Module, mode: str, *, fullgraph: bool) -> None:
+    """``compile.components`` holding ``loss``: the head's chunked linear cross-entropy (and its logits path)."""
+    options = compile_mode(mode).compile_options()
+    if options is not None:
+        head.compile(fullgraph=fullgraph, **options)

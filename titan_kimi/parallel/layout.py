@@ -1,10 +1,13 @@
-"""The parallel layout: degrees resolved against the world size and checked against the model."""
+"""The parallel layout: degrees resolved against the world size and checked against the model and batch, before
+any work starts (the config layer has already checked that the degrees multiply to the world size,
+``titan_kimi.config.rules.check_world_size``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 
 
 @dataclass(frozen=True)
@@ -15,43 +18,98 @@ class ParallelLayout:
     cp: int
     pp: int
     ep: int
+    pipeline: PipelinePlan | None = None  # set when pp > 1
+    microbatch_size: int = 1  # sequences per pipeline microbatch
 
     @property
     def dp(self) -> int:
+        """Data-parallel degree: how many ranks read different batches."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def fsdp(self) -> int:
+        """Ranks a dense parameter is sharded over (torchtitan: dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks an expert is sharded over, inside its expert-parallel group."""
+        return self.fsdp // self.ep
+
     def describe(self) -> str:
-        return (f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
-                f"cp {self.cp} x pp {self.pp} (ep {self.ep} inside dp_shard x cp)")
+        text = (f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
+                f"cp {self.cp} x pp {self.pp}; ep {self.ep} x efsdp {self.efsdp} inside dp_shard x cp")
+        if self.pipeline is not None:
+            p = self.pipeline
+            text += (f"; {p.schedule}, {p.num_stages} stages ({p.stages_per_rank} per rank), microbatches of "
+                     f"{self.microbatch_size}")
+        return text
 
 
-def resolve_layout(par, world_size: int, args: KimiK3ModelArgs) -> ParallelLayout:
-    """Resolve ``-1`` degrees and check what depends on the model (the config layer has already checked the
-    degrees against the world size, ``titan_kimi.config.rules.check_world_size``)."""
+def resolve_layout(par, world_size: int, args: KimiK3ModelArgs, *, local_batch_size: int = 1) -> ParallelLayout:
+    """Resolve ``-1`` degrees and check what depends on the model: experts per EP rank, the pipeline's stages
+    (whole AttnRes blocks) and its microbatches. Each error names the numbers and what would divide."""
     rep, cp, pp, ep = (par.data_parallel_replicate_degree, par.context_parallel_degree,
                        par.pipeline_parallel_degree, par.expert_parallel_degree)
     shard = par.data_parallel_shard_degree
     if shard == -1:
         shard = world_size // (rep * cp * pp)
+    if rep * shard * cp * pp != world_size:
+        raise ValueError(
+            f"parallelism: data_parallel_replicate {rep} x data_parallel_shard {shard} x context_parallel {cp} x "
+            f"pipeline_parallel {pp} = {rep * shard * cp * pp}, not the world size {world_size}")
+    if rep > 1 and shard * cp == 1:
+        raise ValueError(
+            f"parallelism.data_parallel_replicate_degree = {rep} with data_parallel_shard x context_parallel = 1: "
+            f"replication alone (DDP) is not built; valid: shard instead (data_parallel_shard_degree = {rep}, "
+            f"replicate 1), or HSDP with data_parallel_shard_degree > 1")
     if args.num_experts % ep:
         raise ValueError(
-            f"parallelism.expert_parallel_degree = {ep} must divide the number of experts ({args.num_experts})"
-        )
-    units = args.num_attn_res_blocks or args.n_layers
-    if pp > units:
-        what = f"{units} AttnRes blocks" if args.num_attn_res_blocks else f"{units} layers"
+            f"parallelism.expert_parallel_degree = {ep} must divide the number of routed experts "
+            f"({args.num_experts}); valid: a divisor of {args.num_experts} that divides dp_shard x cp = {shard * cp}")
+    if (shard * cp) % ep:
         raise ValueError(
-            f"parallelism.pipeline_parallel_degree = {pp} exceeds the model's {what}: stages hold whole blocks"
-        )
-    return ParallelLayout(world_size, rep, shard, cp, pp, ep)
+            f"parallelism.expert_parallel_degree = {ep} must divide data_parallel_shard x context_parallel = "
+            f"{shard} x {cp} = {shard * cp}, the ranks experts are spread over")
+    plan = None
+    mb = par.pipeline_parallel_microbatch_size
+    if pp > 1:
+        plan = plan_pipeline(n_layers=args.n_layers, block_size=args.attn_res_block_size, pp=pp,
+                             schedule=par.pipeline_parallel_schedule,
+                             stages_per_rank=par.pipeline_parallel_stages_per_rank,
+                             split=list(par.pipeline_parallel_split))
+        _check_microbatches(plan, local_batch_size, mb)
+    elif par.pipeline_parallel_split:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_split = {list(par.pipeline_parallel_split)} needs "
+            f"pipeline_parallel_degree > 1 (it is {pp}); valid: [] without pipeline parallelism")
+    return ParallelLayout(world_size, rep, shard, cp, pp, ep, plan, mb)
 
 
 def reject_unbuilt(layout: ParallelLayout) -> None:
-    """Training runs data parallelism (FSDP2 / HSDP) today; the other degrees pass only ``--job.dry_run``."""
-    for name, degree in (("expert_parallel_degree", layout.ep), ("pipeline_parallel_degree", layout.pp),
-                         ("context_parallel_degree", layout.cp)):
-        if degree > 1:
+    """Context parallelism passes ``--job.dry_run`` only, until it is built."""
+    if layout.cp > 1:
+        raise ValueError(
+            f"parallelism.context_parallel_degree = {layout.cp}: context parallelism is not built yet; set it to 1 "
+            f"to train (data, expert and pipeline parallelism are), or use --job.dry_run to validate the layout")
+
+
+def _check_microbatches(plan: PipelinePlan, local_batch_size: int, microbatch_size: int) -> None:
+    if local_batch_size % microbatch_size:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_microbatch_size = {microbatch_size} must divide "
+            f"training.local_batch_size = {local_batch_size}")
+    n = local_batch_size // microbatch_size
+    need = {"1F1B": plan.pp, "DualPipeV": plan.num_stages}.get(plan.schedule, 1)
+    if n < need:
+        raise ValueError(
+            f"training.local_batch_size {local_batch_size} / pipeline_parallel_microbatch_size {microbatch_size} = "
+            f"{n} microbatches, but {plan.schedule} over {plan.num_stages} stages needs at least {need}; valid: "
+            f"local_batch_size >= {need * microbatch_size}, a smaller microbatch, or GPipe")
+    if plan.schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, n // plan.pp)
+        if n % rounds:
             raise ValueError(
-                f"parallelism.{name} = {degree}: titan_kimi.train runs data parallelism (FSDP2/HSDP) only so far; "
-                f"set it to 1 to train, or use --job.dry_run to validate the full-scale layout"
-            )
+                f"{n} microbatches (local_batch_size / pipeline_parallel_microbatch_size): {plan.schedule} needs "
+                f"a multiple of {rounds} (microbatches // pipeline_parallel_degree); valid: e.g. "
+                f"{rounds * plan.pp} microbatches")

@@ -1,46 +1,63 @@
-"""Apply activation checkpointing, compile and data parallelism to a built (meta-device) model."""
+"""Apply expert parallelism, activation checkpointing, compile and FSDP2 to one built (meta-device) model part,
+in torchtitan's order: EP, then checkpoint wrappers, then per-block compile, then FSDP."""
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_kimi.parallel.compile import apply_compile
-from titan_kimi.parallel.fsdp import apply_fsdp
-from titan_kimi.parallel.layout import ParallelLayout
+from titan_kimi.parallel.compile import apply_compile, apply_loss_compile
+from titan_kimi.parallel.expert_parallel import apply_expert_parallel
+from titan_kimi.parallel.fsdp import apply_fsdp, reshard_after_forward
+from titan_kimi.parallel.mesh import Meshes
 
 
-def _ac_and_compile(model: KimiK3Model, cfg) -> None:
-    # Order as in torchtitan: checkpoint wrappers first, then per-block compile, then FSDP.
-    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
-    if "model" in cfg.compile.components:
-        apply_compile(model, cfg.compile.mode, fullgraph=cfg.compile.fullgraph)
-
-
-def parallelize(model: KimiK3Model, cfg, layout: ParallelLayout, device: torch.device) -> None:
-    """FSDP2 (HSDP when data_parallel_replicate_degree > 1) over all ranks."""
-    _ac_and_compile(model, cfg)
-    mesh = init_device_mesh(device.type, (layout.dp_replicate, layout.dp_shard),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
-    t = cfg.training
-    mixed = t.mixed_precision and cfg.model.dtype != t.param_dtype
-    policy = cfg.parallelism.fsdp_reshard_after_forward
-    apply_fsdp(
-        model, mesh if layout.dp_replicate > 1 else mesh["dp_shard"],
-        param_dtype=DTYPES[t.param_dtype] if mixed else None,
-        reduce_dtype=DTYPES[t.reduce_dtype],
-        reshard_after_forward=policy != "never",
-        force_sum_reduction=device.type != "cuda",  # gloo has no PREMUL_SUM
-    )
-
-
-def apply_single_device(model: KimiK3Model, cfg) -> torch.dtype | None:
-    """One process: no sharding. Returns the autocast dtype that plays the role of FSDP mixed precision."""
-    _ac_and_compile(model, cfg)
+def mixed_precision_dtype(cfg) -> torch.dtype | None:
+    """The compute dtype when it is lower than the stored parameters' (FSDP's param_dtype, or autocast)."""
     t = cfg.training
     if t.mixed_precision and cfg.model.dtype != t.param_dtype:
         return DTYPES[t.param_dtype]
     return None
+
+
+def _ac_and_compile(model: KimiK3Model, cfg, *, experts_outside: bool) -> None:
+    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.mode != "none":
+        if "model" in cfg.compile.components:
+            apply_compile(model, cfg.compile.mode, fullgraph=cfg.compile.fullgraph, experts_outside=experts_outside)
+        if "loss" in cfg.compile.components and model.output is not None:
+            apply_loss_compile(model.output, cfg.compile.mode, fullgraph=cfg.compile.fullgraph)
+
+
+def parallelize(model: KimiK3Model, cfg, meshes: Meshes, device: torch.device) -> bool:
+    """EP on the routed experts (ep > 1), then AC and compile, then FSDP2 (HSDP with dp_replicate > 1) over the
+    dense mesh. Returns whether FSDP was applied (else the caller autocasts: no data-parallel mesh to shard
+    over, e.g. pipeline parallelism alone)."""
+    layout = meshes.layout
+    if layout.ep > 1:
+        apply_expert_parallel(model, meshes.ep)
+    _ac_and_compile(model, cfg, experts_outside=layout.ep > 1)
+    dense = meshes.dense
+    if dense is None:
+        if layout.ep > 1:
+            raise ValueError(f"expert parallelism needs FSDP over dp_shard x cp = {layout.fsdp} > 1 ranks")
+        return False
+    t = cfg.training
+    apply_fsdp(
+        model, dense,
+        param_dtype=mixed_precision_dtype(cfg),
+        reduce_dtype=DTYPES[t.reduce_dtype],
+        reshard_after_forward=reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward,
+                                                    pipeline=layout.pp > 1),
+        force_sum_reduction=device.type != "cuda",  # gloo has no PREMUL_SUM
+        experts_mesh=meshes.experts,
+    )
+    return True
+
+
+def apply_single_device(model: KimiK3Model, cfg) -> torch.dtype | None:
+    """One process: no sharding. Returns the autocast dtype that plays the role of FSDP mixed precision."""
+    _ac_and_compile(model, cfg, experts_outside=False)
+    return mixed_precision_dtype(cfg)

@@ -37,10 +37,12 @@ def tokenizer_from_config(cfg, args: KimiK3ModelArgs) -> KimiTokenizer:
     return tokenizer
 
 
-def build_meta_model(args: KimiK3ModelArgs, dtype: torch.dtype, *, freeze_indexer: bool) -> KimiK3Model:
-    """The model on the meta device in ``dtype`` (fp32-by-design parameters stay fp32)."""
+def build_meta_model(args: KimiK3ModelArgs, dtype: torch.dtype, *, freeze_indexer: bool,
+                     layer_range: tuple[int, int] | None = None) -> KimiK3Model:
+    """The model (or the pipeline stage of layers ``layer_range``) on the meta device in ``dtype``
+    (fp32-by-design parameters stay fp32)."""
     with torch.device("meta"):
-        model = KimiK3Model(args)
+        model = KimiK3Model(args, layer_range=layer_range)
     cast_model_dtype(model, dtype)
     if not freeze_indexer:
         raise ValueError(

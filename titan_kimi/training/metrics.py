@@ -37,6 +37,8 @@ class StepMetrics:
     mfu: float
     peak_mem_gib: float
     skipped: bool = False
+    expert_load_max: float | None = None  # most loaded expert / balanced share (worst MoE layer)
+    expert_load_min: float | None = None  # least loaded expert / balanced share (worst MoE layer)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -85,6 +87,8 @@ class MetricsLogger:
             self._draw_bar(m)
         if m.step % self.log_freq == 0 or m.step == self.total_steps:
             note = "  (step skipped: non-finite gradients)" if m.skipped else ""
+            if m.expert_load_max is not None:
+                note = f"  experts {m.expert_load_min:.2f}-{m.expert_load_max:.2f}x{note}"
             if self._bar:
                 sys.stderr.write("\n")
             logger.info(

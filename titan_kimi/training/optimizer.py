@@ -86,6 +86,45 @@ def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Opti
     return cls(params, **kwargs, **flags)
 
 
+class OptimizerParts:
+    """One optimizer per model part (this rank's pipeline stages; one part without pipelining), stepped as one.
+
+    Per part, so that each optimizer's state is keyed by its own module's parameter names (which checkpoints
+    store, whatever the layout)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class SchedulerParts:
+    """The LR schedule of every part's optimizer; they are identical, so one state is saved and loaded into all."""
+
+    def __init__(self, schedulers: list[LambdaLR]) -> None:
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.schedulers[0].get_last_lr()
+
+    def state_dict(self) -> dict:
+        return self.schedulers[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(state)
+
+
 def lr_lambda(step: int, *, total: int, warmup: int, decay_ratio: float, decay_type: str, min_lr_factor: float) -> float:
     """Multiplier of the peak lr at (0-based) ``step``: linear warmup, flat, then decay to ``min_lr_factor``."""
     if warmup and step < warmup:

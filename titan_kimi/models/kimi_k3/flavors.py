@@ -36,6 +36,9 @@ _MEDIUM = dict(
 _FLAVORS: dict[str, dict] = {
     "k3_debug": _DEBUG,
     "k31_debug": {**_DEBUG, **_DEBUG_INDEXER},
+    # The debug models in 2-layer AttnRes blocks (4 blocks): pipelines of up to 4 stages, virtual ones included.
+    "k3_debug_pp": {**_DEBUG, "attn_res_block_size": 2},
+    "k31_debug_pp": {**_DEBUG, **_DEBUG_INDEXER, "attn_res_block_size": 2},
     "k3_small": _SMALL,
     "k31_small": {**_SMALL, **_K31_INDEXER},
     "k3_medium": _MEDIUM,

@@ -1,0 +1,81 @@
+"""Layouts are checked before any work starts: the stage planner, schedules, microbatches, expert counts."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from titan_kimi.models.kimi_k3 import model_args_for
+from titan_kimi.parallel.layout import resolve_layout
+from titan_kimi.parallel.pipeline_plan import plan_pipeline
+
+
+def par(**changes):
+    base = dict(data_parallel_replicate_degree=1, data_parallel_shard_degree=-1, context_parallel_degree=1,
+                pipeline_parallel_degree=1, expert_parallel_degree=1, pipeline_parallel_schedule="1F1B",
+                pipeline_parallel_stages_per_rank=0, pipeline_parallel_split=[], pipeline_parallel_microbatch_size=1)
+    return SimpleNamespace(**{**base, **changes})
+
+
+K3 = model_args_for("k3")
+
+
+def test_k3_stage_split_follows_the_attn_res_blocks():
+    assert plan_pipeline(n_layers=93, block_size=12, pp=8, schedule="1F1B").ranges == (
+        (0, 12), (12, 24), (24, 36), (36, 48), (48, 60), (60, 72), (72, 84), (84, 93))
+    assert plan_pipeline(n_layers=93, block_size=12, pp=2, schedule="1F1B").ranges == ((0, 48), (48, 93))
+    # 8 blocks over 3 stages: the earlier stages take the extra blocks.
+    assert plan_pipeline(n_layers=93, block_size=12, pp=3, schedule="GPipe").ranges == ((0, 36), (36, 72), (72, 93))
+    assert plan_pipeline(n_layers=93, block_size=12, pp=2, schedule="1F1B", split=[24]).ranges == ((0, 24), (24, 93))
+
+
+def test_virtual_stages_are_placed_by_the_schedule():
+    looped = plan_pipeline(n_layers=8, block_size=2, pp=2, schedule="Interleaved1F1B")
+    assert looped.ranges == ((0, 2), (2, 4), (4, 6), (6, 8))
+    assert looped.stages_of_rank(0) == [0, 2] and looped.stages_of_rank(1) == [1, 3]
+    v = plan_pipeline(n_layers=8, block_size=2, pp=2, schedule="ZBVZeroBubble")
+    assert v.stages_of_rank(0) == [0, 3] and v.stages_of_rank(1) == [1, 2]
+    assert v.describe()[3] == "stage 3: layers [6, 8) on pp rank 0"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pp=16, schedule="1F1B"), r"16 stages, but the model's 93 layers are 8 AttnRes blocks of 12 layers .*"
+                                   r"valid: at most 8 stages"),
+    (dict(pp=8, schedule="Interleaved1F1B"), r"pipeline_parallel_degree = 8 with 2 stage\(s\) per rank "
+                                             r"\(Interleaved1F1B\) is 16 stages"),
+    (dict(pp=2, schedule="1F1B", stages_per_rank=2), r"1F1B runs one stage per rank; valid: 0 or 1"),
+    (dict(pp=2, schedule="ZBVZeroBubble", stages_per_rank=3), r"exactly 2 stages on each rank"),
+    (dict(pp=2, schedule="Interleaved1F1B", stages_per_rank=1), r"needs at least 2 stages per rank"),
+    (dict(pp=2, schedule="1F1B", split=[30]), r"\[30\] cut\(s\) an AttnRes block; valid: multiples of 12"),
+    (dict(pp=2, schedule="1F1B", split=[24, 48]), r"names 3 stages, but .* is 2; valid: 1 increasing"),
+    (dict(pp=3, schedule="1F1B", split=[48, 24]), r"not strictly increasing inside \(0, 93\)"),
+    (dict(pp=2, schedule="Bogus"), r"pipeline_parallel_schedule = 'Bogus'; valid: \['1F1B'"),
+])
+def test_impossible_pipelines_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_pipeline(n_layers=93, block_size=12, **kwargs)
+
+
+@pytest.mark.parametrize("world, changes, local_batch, message", [
+    (256, dict(pipeline_parallel_degree=8, expert_parallel_degree=3), 8,
+     r"expert_parallel_degree = 3 must divide the number of routed experts \(896\)"),
+    (64, dict(pipeline_parallel_degree=8, expert_parallel_degree=16), 8,
+     r"expert_parallel_degree = 16 must divide data_parallel_shard x context_parallel = 8 x 1 = 8"),
+    (16, dict(pipeline_parallel_degree=2), 1,
+     r"1 microbatches, but 1F1B over 2 stages needs at least 2; valid: local_batch_size >= 2"),
+    (16, dict(pipeline_parallel_degree=2, pipeline_parallel_microbatch_size=3), 4,
+     r"pipeline_parallel_microbatch_size = 3 must divide training.local_batch_size = 4"),
+    (16, dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV"), 2,
+     r"DualPipeV over 4 stages needs at least 4"),
+    (16, dict(pipeline_parallel_split=[12]), 2, r"pipeline_parallel_split = \[12\] needs pipeline_parallel_degree > 1"),
+    (16, dict(data_parallel_replicate_degree=16), 2, r"replication alone \(DDP\) is not built"),
+    (16, dict(data_parallel_shard_degree=4), 2, r"= 4, not the world size 16"),
+])
+def test_impossible_layouts_are_rejected(world, changes, local_batch, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_layout(par(**changes), world, K3, local_batch_size=local_batch)
+
+
+def test_seeds_full_scale_layout_resolves():
+    layout = resolve_layout(par(pipeline_parallel_degree=8, expert_parallel_degree=32), 256, K3, local_batch_size=8)
+    assert (layout.dp_shard, layout.fsdp, layout.efsdp, layout.pipeline.num_stages) == (32, 32, 1, 8)
+    assert "ep 32 x efsdp 1" in layout.describe() and "1F1B, 8 stages" in layout.describe()

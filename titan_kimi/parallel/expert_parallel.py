@@ -1,0 +1,62 @@
+"""Expert parallelism: torchtitan's ``ExpertParallel`` on every ``moe.experts``.
+
+Each EP rank keeps ``E / ep`` experts (weights ``Shard(0)`` on the ep mesh); tokens go to their experts' ranks
+by an all-to-all in the latent width and come back by another (torchtitan's dispatch and combine), and the local
+experts run one grouped GEMM over their rows. Two things the model's local forward does not know about live
+here: the weights are DTensors whose local shards the GEMM takes, and the rows arrive already grouped and
+aligned by torchtitan's permutation (so the model's own CUDA alignment copy is skipped).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from titan_kimi.models.kimi_k3.moe import GroupedExperts
+
+
+class ExpertShardGroupedExperts(GroupedExperts):
+    """``GroupedExperts`` on an expert-parallel rank: the same computation on the local expert shards."""
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self.w13, self.w2
+        if isinstance(w13, DTensor):
+            # Tokens per expert vary step to step, which DTensor cannot express: compute on the local shards.
+            w13, w2 = w13.to_local(), w2.to_local()
+        return self.run(w13, w2, x, num_tokens_per_expert)
+
+
+@functools.cache
+def _permutation_on_any_device() -> None:
+    """torchtitan's token permutation calls a Triton kernel unconditionally; its CPU path sits behind
+    ``use_cpu``. Route CPU tensors there (GPU tensors keep the Triton kernel)."""
+    import torchtitan.models.moe.utils as moe_utils
+    from torchtitan.models.moe.kernels import generate_permute_indices
+
+    def generate(tokens_per_expert_group, *args, **kwargs):
+        kwargs.setdefault("use_cpu", not tokens_per_expert_group.is_cuda)
+        return generate_permute_indices(tokens_per_expert_group, *args, **kwargs)
+
+    moe_utils.generate_permute_indices = generate
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    return [block for block in model.layers.values() if getattr(block, "moe_enabled", False)]
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's routed experts over ``ep_mesh`` (call before FSDP and compile)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    _permutation_on_any_device()
+    for block in moe_blocks(model):
+        experts = block.moe.experts
+        if experts.num_experts % ep_mesh.size():
+            raise ValueError(f"{experts.num_experts} experts cannot be split over {ep_mesh.size()} EP ranks")
+        experts.__class__ = ExpertShardGroupedExperts
+        parallelize_module(experts, ep_mesh, ExpertParallel())

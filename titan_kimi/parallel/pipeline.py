@@ -1,0 +1,133 @@
+"""Pipeline parallelism: this rank's stages (whole AttnRes blocks), their static I/O shapes, the schedule.
+
+Stages pass ``(hidden [mb,S,H], bank [mb*S,m,H])`` positionally; tokens enter the first stage, and the last stage
+applies the loss itself (summed CE over the step's global valid-token count, so ``scale_grads=False`` keeps
+gradients equal to the non-pipelined run). ``doc_ids`` and ``labels`` are split into microbatches with the
+inputs; the normaliser is a float, which the schedule hands unchanged to every microbatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from titan_kimi.models.kimi_k3.model import KimiK3Model
+from titan_kimi.parallel.pipeline_plan import PipelinePlan
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | float"], torch.Tensor]
+
+
+class PipelineStageModule(nn.Module):
+    """One stage as the schedule runs it (and the stage's FSDP root, so that pipelining's no-sync logic for
+    microbatches applies). ``boundary_dtype`` is the dtype of what crosses to the next stage: the static
+    shapes announce it, so outputs are cast to it (a no-op when the computation already has it)."""
+
+    def __init__(self, part: KimiK3Model, loss_fn: LossFn, *, boundary_dtype: torch.dtype,
+                 autocast_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.part = part
+        self.loss_fn = loss_fn
+        self.boundary_dtype = boundary_dtype
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, normalizer: float | None = None):
+        device_type = inputs[0].device.type
+        autocast = (torch.autocast(device_type, dtype=self.autocast_dtype) if self.autocast_dtype
+                    else contextlib.nullcontext())
+        with autocast:
+            if self.part.is_last:
+                hidden = self.part(*inputs, doc_ids=doc_ids, return_hidden=True)
+                return self.loss_fn(self.part.output, hidden, labels, normalizer)
+            hidden, bank = self.part(*inputs, doc_ids=doc_ids)
+        hidden, bank = hidden.to(self.boundary_dtype), bank.to(self.boundary_dtype)
+        if bank._is_view():
+            # FSDP hands a passed-through bank back as a view, which zero-bubble schedules cannot detach in place.
+            bank = bank.clone()
+        return hidden, bank
+
+
+def stage_io_metas(part: KimiK3Model, microbatch: int, seq_len: int, dtype: torch.dtype):
+    """Static shapes of a stage's inputs and outputs (meta tensors), so no shape-inference pass runs."""
+    args = part.args
+    dim, block = args.dim, args.attn_res_block_size
+
+    def meta(*shape, dt=dtype, grad=False):
+        return torch.empty(shape, dtype=dt, device="meta", requires_grad=grad)
+
+    def bank_entries(layer: int) -> int:
+        return layer // block if block else 0
+
+    if part.is_first:
+        inputs = (meta(microbatch, seq_len, dt=torch.int64),)
+    else:
+        inputs = (meta(microbatch, seq_len, dim, grad=True),
+                  meta(microbatch * seq_len, bank_entries(part.first_layer), dim, grad=True))
+    if part.is_last:
+        outputs = (meta(dt=torch.float32),)
+    else:
+        outputs = (meta(microbatch, seq_len, dim), meta(microbatch * seq_len, bank_entries(part.last_layer), dim))
+    return inputs, outputs
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+def build_schedule(
+    plan: PipelinePlan,
+    stage_modules: Sequence[tuple[int, PipelineStageModule]],
+    *,
+    device: torch.device,
+    group: dist.ProcessGroup,
+    n_microbatches: int,
+    microbatch: int,
+    seq_len: int,
+):
+    """The schedule over this rank's ``(stage index, module)`` pairs, with static stage shapes."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    stages = []
+    for index, module in stage_modules:
+        inputs, outputs = stage_io_metas(module.part, microbatch, seq_len, module.boundary_dtype)
+        extra = {}
+        # torch >= 2.12 takes the gradient metas too; without them static stages send zero input gradients.
+        if _accepts(PipelineStage.__init__, "input_grads"):
+            extra = dict(input_grads=(None,) if module.part.is_first else inputs,
+                         output_grads=None if module.part.is_last else outputs)
+        stages.append(PipelineStage(module, index, plan.num_stages, device, input_args=inputs,
+                                    output_args=outputs, group=group, **extra))
+    cls = get_schedule_class(plan.schedule)
+    single = issubclass(cls, PipelineScheduleSingle)
+    # The last stage's module already returns the normalised loss: the schedule's loss function passes it on.
+    return cls(stages[0] if single else stages, n_microbatches=n_microbatches,
+               loss_fn=lambda output, target: output, scale_grads=False), stages
+
+
+class PipelineRunner:
+    """One optimizer micro-step of this rank's stages: fwd + bwd over the microbatches of a local batch."""
+
+    def __init__(self, schedule, stages, modules: Sequence[PipelineStageModule]) -> None:
+        self.schedule, self.stages, self.modules = schedule, stages, list(modules)
+        self.has_first = any(s.is_first for s in stages)
+        self.has_last = any(s.is_last for s in stages)
+
+    def step(self, batch: dict[str, torch.Tensor], normalizer: float, *, backward: bool = True) -> torch.Tensor:
+        """The sum of this rank's last-stage microbatch losses (zero on ranks without the last stage)."""
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        args = (batch["input_ids"],) if self.has_first else ()
+        kwargs = dict(doc_ids=batch["doc_ids"], labels=batch["labels"], normalizer=normalizer)
+        run = self.schedule.step if backward else self.schedule.eval
+        # Outputs are scalar losses, which the schedule cannot merge into a batch: never ask for them.
+        extra = {"return_outputs": False} if _accepts(self.schedule.step, "return_outputs") else {}
+        run(*args, target=batch["labels"], losses=losses, **extra, **kwargs)
+        device = batch["labels"].device
+        if not losses:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
