@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titan_kimi.checkpoint import load_model_weights
 from titan_kimi.checkpoint.destinations import canonical_fqn
 from titan_kimi.config import load_job_config
 from titan_kimi.data import build_dataloader
@@ -38,6 +39,19 @@ LAYOUTS = {
                 "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
     "pp2_ep2_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
                       "--training.local_batch_size", "2", "--training.global_batch_size", "4"],
+    # Activation checkpointing (per-op selective: KDA, sparse attention and expert GEMM outputs kept) and
+    # per-block compile, both applied after expert parallelism, under the pipeline.
+    "pp2_ep2_sac_compile": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree",
+                            "2", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+                            "--activation_checkpoint.mode", "selective", "--compile.mode", "default"],
+    "ep2_full_ac": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2",
+                    "--activation_checkpoint.mode", "full"],
+}
+# With an HF checkpoint (argument --hf PATH): every rank reads only its own keys and boxes (pipeline stages,
+# FSDP shards, expert shards of an efsdp 2 x ep 2 mesh) as initial weights.
+HF_LAYOUTS = {
+    "ep2_efsdp2_hf": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
+    "pp2_ep2_hf": LAYOUTS["pp2_ep2_fsdp2"],
 }
 
 
@@ -48,6 +62,8 @@ def reference(cfg, args, global_batch: int):
     model.to_empty(device="cpu")
     torch.manual_seed(cfg.job.seed)
     model.init_weights()
+    if cfg.checkpoint.initial_load_path:
+        load_model_weights(model, cfg.checkpoint.initial_load_path)
     loader = build_dataloader(cfg.data.dataset, cfg.data.path or None, tokenizer_from_config(cfg, args),
                               seq_len=cfg.training.seq_len, local_batch_size=global_batch, dp_rank=0,
                               dp_world_size=1, seed=cfg.job.seed, shuffle=cfg.data.shuffle,
@@ -72,6 +88,7 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     loss = torch.zeros(())
     for batch in host:
         loss += trainer._micro_step(batch, normalizer, backward=True)
+    trainer.replicated.sync()
     dist.all_reduce(loss)
     worst, count = 0.0, 0
     for part in trainer.model_parts:
@@ -82,7 +99,10 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
                 continue
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             ref = ref_grads[fqn]
-            worst = max(worst, float((grad - ref).norm() / ref.norm().clamp(min=1e-30)))
+            err = float((grad - ref).norm() / ref.norm().clamp(min=1e-30))
+            if os.environ.get("PARITY_VERBOSE") and err > 1e-4:
+                print(f"rank {env.rank} {name} {fqn} rel {err:.3e} {type(p).__name__} {p.shape}", flush=True)
+            worst = max(worst, err)
             count += 1
     stats = torch.tensor([worst, float(count)])
     dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
@@ -96,9 +116,12 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
 
 def main() -> None:
     env = DistEnv.from_environ()
-    names = sys.argv[1:] or list(LAYOUTS)
-    for name in names:
-        check(name, LAYOUTS[name], env)
+    argv = sys.argv[1:]
+    hf = argv[argv.index("--hf") + 1] if "--hf" in argv else None
+    names = [a for a in argv if a != "--hf" and a != hf]
+    for name in names or [*LAYOUTS, *(HF_LAYOUTS if hf else ())]:
+        overrides = LAYOUTS.get(name) or [*HF_LAYOUTS[name], "--checkpoint.initial_load_path", hf]
+        check(name, overrides, env)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -15,6 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from titan_kimi.checkpoint import export_hf_checkpoint
+from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["--job.config_file", "train_configs/k31_debug.toml"]
@@ -35,10 +39,18 @@ def train(folder: Path, *overrides: str, nproc: int = 0) -> list[float]:
 
 
 @pytest.mark.slow
-def test_every_layout_gives_one_process_gradients_in_fp32():
-    out = launch(["tests/parallel_parity_worker.py"], nproc=4)
+def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
+    """EP2, PP2 (1F1B, Interleaved1F1B, ZBVZeroBubble), PP2 x EP2 x FSDP2, selective AC + compile under PP2 x EP2,
+    full AC under EP2, and HF initial weights read per rank: one step's gradients on 4 ranks."""
+    hf = tmp_path / "hf"
+    torch.manual_seed(5)
+    model = KimiK3Model(model_args_for("k31_debug_pp"))
+    model.init_weights()
+    export_hf_checkpoint(model, hf, dtype=torch.float32)
+    out = launch(["tests/parallel_parity_worker.py", "--hf", str(hf)], nproc=4)
     results = dict(re.findall(r"PARITY (\S+) (grad_rel \S+ loss_rel \S+ params \d+)", out))
-    assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2"}, out
+    assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2", "pp2_ep2_sac_compile",
+                            "ep2_full_ac", "ep2_efsdp2_hf", "pp2_ep2_hf"}, out
     for name, line in results.items():
         grad, loss, params = re.match(r"grad_rel (\S+) loss_rel (\S+) params (\d+)", line).groups()
         assert float(grad) < 1e-4 and float(loss) < 1e-5 and int(params) > 100, (name, line)

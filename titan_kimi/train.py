@@ -26,6 +26,7 @@ from titan_kimi.data import IGNORE_INDEX, build_dataloader
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, init_distributed, pick_device
 from titan_kimi.parallel.layout import ParallelLayout, reject_unbuilt, resolve_layout
+from titan_kimi.parallel.fsdp import ReplicatedGradients
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
@@ -107,6 +108,7 @@ class Trainer:
         self.lr_scheduler = SchedulerParts([build_lr_scheduler(opt, cfg.lr_scheduler, t.steps)
                                             for opt in self.optimizer.optimizers])
         self.router_load = RouterLoad(self.model_parts, args)
+        self.replicated = ReplicatedGradients(self.model_parts, self.meshes.dense if self.meshes else None)
         self.dataloader = self._build_dataloader(cfg.data.path, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
         self.validation_loader = self._build_validation_loader() if cfg.validation.enable else None
         # Every validation starts from the first batch, so runs that stop at validation.steps stay comparable.
@@ -183,7 +185,7 @@ class Trainer:
         del whole, values
 
     def _build_pipeline(self, parts: list[KimiK3Model], indices: list[int]):
-        from titan_kimi.parallel.fsdp import set_summed_gradients
+        from titan_kimi.parallel.fsdp import replicated_parameters, set_summed_gradients
         from titan_kimi.parallel.pipeline import PipelineRunner, PipelineStageModule, build_schedule
 
         cfg, layout = self.cfg, self.layout
@@ -197,7 +199,8 @@ class Trainer:
             module = PipelineStageModule(part, self.loss_fn, boundary_dtype=boundary,
                                          autocast_dtype=self.autocast_dtype)
             if self.meshes.dense is not None:  # the stage wrapper is the FSDP root (pipelining's no-sync logic)
-                fully_shard(module, mesh=self.meshes.dense, reshard_after_forward=False)
+                fully_shard(module, mesh=self.meshes.dense, reshard_after_forward=False,
+                            ignored_params=set(replicated_parameters(module)))
                 set_summed_gradients(module, self.device.type != "cuda")
             modules.append((index, module))
         mb = layout.microbatch_size
@@ -289,6 +292,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch in batches:
             loss_sum += self._micro_step(batch, global_valid, backward=True)
+        self.replicated.sync()
         loss_value = float(all_reduce_sum(loss_sum))  # ranks without the last pipeline stage add 0
         clip = clip_gradients(self.named_params, cfg.training.max_norm,
                               self.meshes.pp_group if self.meshes is not None else None)

@@ -22,6 +22,19 @@ _ALWAYS_SAVE = {
 }
 
 
+def _ignore_profiler_ranges() -> None:
+    """Per-op SAC replays every dispatched op of a region in backward, profiler ranges included. FSDP and the
+    expert all-to-all open ``record_function`` ranges whose number differs between the forward and the
+    recompute (the expert weights are gathered by prefetch before the forward's region but inside the
+    recompute), which SAC reports as a mismatch. The ranges compute nothing: SAC passes them through."""
+    import torch.utils.checkpoint as checkpoint
+
+    profiler = torch.ops.profiler
+    checkpoint.SAC_IGNORED_OPS.update({profiler._record_function_enter_new.default,
+                                       profiler._record_function_exit.default,
+                                       profiler._record_function_exit._RecordFunction})
+
+
 def _op_policy():
     """Save the token mixers; save every other matmul (recompute the rest), as torchtitan's op-SAC does."""
     mm_count = defaultdict(int)
@@ -42,6 +55,8 @@ def apply_activation_checkpointing(model: KimiK3Model, mode: str, option: str) -
     """``mode`` none | full | selective; ``option`` "op" or a block frequency N (checkpoint every N-th)."""
     if mode == "none":
         return
+    if mode == "selective" and option == "op":
+        _ignore_profiler_ranges()
     for position, (name, block) in enumerate(list(model.layers.items())):
         if mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)

@@ -66,9 +66,11 @@ def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_out
 
 
 def _moe_block_parts(block: torch.nn.Module) -> list[torch.nn.Module]:
+    # The project's own modules; the latent projections are single nn.Linear matmuls (nothing to fuse, and
+    # torch's own module frames are not compiled on their own).
     moe = block.moe
     parts = [block.attention, block.attention_norm, block.ffn_norm, moe.router, moe.shared_experts,
-             moe.routed_expert_down_proj, moe.routed_expert_up_proj, moe.routed_expert_norm]
+             moe.routed_expert_norm]
     parts += [block.attention_mix, block.ffn_mix] if block.block_size else []
     return [p for p in parts if p is not None]
 

@@ -1,16 +1,19 @@
 """FSDP2 / HSDP of one model part: dense parameters over the fsdp mesh, routed experts over their efsdp mesh
-(under expert parallelism), fp32-by-design parameters in fp32 units of their own."""
+(under expert parallelism), fp32-by-design parameters whole on every rank."""
 
 from __future__ import annotations
 
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from titan_kimi.checkpoint.destinations import canonical_fqn
+from titan_kimi.models.kimi_k3.init import fp32_parameter_names
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 
 
@@ -19,10 +22,14 @@ from titan_kimi.models.kimi_k3.model import KimiK3Model
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
 
 
-def _fp32_holders(module: nn.Module) -> list[nn.Module]:
-    """Sub-modules that declare fp32 trainable parameters (KDA decay/conv/o_norm): one FSDP unit each."""
-    return [m for m in module.modules() if getattr(m, "fp32_params", ()) and any(
-        getattr(m, n).requires_grad for n in m.fp32_params)]
+def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The fp32-by-design parameters (KDA A_log, dt_bias, short-conv weights, o_norm; the router bias).
+
+    FSDP2 needs one dtype per unit, but a unit nested inside a compiled block breaks the graph (its hooks are
+    not traceable), so these tiny tensors are not sharded at all: every rank keeps them whole, in fp32, and
+    their gradients are summed by :class:`ReplicatedGradients`. In module order, the same on every rank."""
+    names = {canonical_fqn(n) for n in fp32_parameter_names(model)}
+    return [p for n, p in model.named_parameters() if canonical_fqn(n) in names]
 
 
 def reshard_after_forward(policy: str, *, pipeline: bool) -> bool:
@@ -42,29 +49,41 @@ def apply_fsdp(
     experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard embedding, each block (its routed experts on ``experts_mesh`` when experts are expert-parallel),
-    the output head and the root. Gradients are summed, not averaged: the loss is already normalised by the
-    step's global number of valid tokens."""
+    the output head and the root; the fp32-by-design parameters stay whole on every rank. Gradients are
+    summed, not averaged: the loss is already normalised by the step's global number of valid tokens."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    # fp32 units compute on the block's (bf16) activations and return their dtype: their inputs stay as they are.
-    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                       cast_forward_inputs=False)
-    config = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    config = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                  ignored_params=set(replicated_parameters(model)))
     if model.tok_embeddings is not None:
         fully_shard(model.tok_embeddings, **config)
     for block in model.layers.values():
-        for holder in _fp32_holders(block):
-            fully_shard(holder, **{**config, "mp_policy": fp32_policy})
-        if block.moe_enabled:
-            # The router computes in fp32 and its selection bias must not be rounded to bf16.
-            fully_shard(block.moe.router, **{**config, "mp_policy": fp32_policy})
-            if experts_mesh is not None:
-                _shard_experts(block.moe.experts, experts_mesh, policy, reshard_after_forward)
+        if block.moe_enabled and experts_mesh is not None:
+            _shard_experts(block.moe.experts, experts_mesh, policy, reshard_after_forward)
         fully_shard(block, **config)
     if model.output is not None:
         # Its own unit: the loss calls the head after the model's forward (the norm and mix belong to the root).
         fully_shard(model.output, **{**config, "reshard_after_forward": False})
     fully_shard(model, **config)
     set_summed_gradients(model, force_sum_reduction)
+
+
+class ReplicatedGradients:
+    """Sums the gradients of the parameters FSDP leaves whole (``replicated_parameters``) over the data-parallel
+    ranks, in one flat fp32 all-reduce per mesh dimension, after the step's backward passes."""
+
+    def __init__(self, parts: list[nn.Module], mesh: DeviceMesh | None) -> None:
+        self.mesh = mesh
+        self.params = [p for part in parts for p in replicated_parameters(part) if p.requires_grad]
+
+    def sync(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.mesh is None or not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        for dim in range(self.mesh.ndim):
+            dist.all_reduce(flat, group=self.mesh.get_group(dim))
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
 
 def _shard_experts(experts: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy, reshard: bool) -> None:

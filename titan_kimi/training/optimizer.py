@@ -6,6 +6,7 @@ import math
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_kimi.dtypes import DTYPES
@@ -83,7 +84,12 @@ def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Opti
     if impl == "auto":
         impl = "fused" if params[0].device.type in ("cuda", "cpu") else "foreach"
     flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[impl]
-    return cls(params, **kwargs, **flags)
+    # Sharded (DTensor) and whole parameters (those FSDP leaves replicated) in separate groups: one fused or
+    # foreach kernel cannot mix the two kinds of tensor.
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    whole = [p for p in params if not isinstance(p, DTensor)]
+    groups = [{"params": g} for g in (sharded, whole) if g]
+    return cls(groups, **kwargs, **flags)
 
 
 class OptimizerParts:
