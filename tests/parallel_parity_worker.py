@@ -39,6 +39,14 @@ LAYOUTS = {
                 "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
     "pp2_ep2_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
                       "--training.local_batch_size", "2", "--training.global_batch_size", "4"],
+    "pp2_interleaved_zb": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                           "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"],
+    "pp2_looped_bfs": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                       "--parallelism.pipeline_parallel_schedule", "LoopedBFS"],
+    "pp2_dualpipev": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                      "--parallelism.pipeline_parallel_schedule", "DualPipeV"],
+    "pp2_gpipe": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
+                  "--parallelism.pipeline_parallel_schedule", "GPipe"],
     # Activation checkpointing (per-op selective: KDA, sparse attention and expert GEMM outputs kept) and
     # per-block compile, both applied after expert parallelism, under the pipeline.
     "pp2_ep2_sac_compile": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree",

@@ -40,7 +40,7 @@ def train(folder: Path, *overrides: str, nproc: int = 0) -> list[float]:
 
 @pytest.mark.slow
 def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
-    """EP2, PP2 (1F1B, Interleaved1F1B, ZBVZeroBubble), PP2 x EP2 x FSDP2, selective AC + compile under PP2 x EP2,
+    """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2, selective AC + compile under PP2 x EP2,
     full AC under EP2, and HF initial weights read per rank: one step's gradients on 4 ranks."""
     hf = tmp_path / "hf"
     torch.manual_seed(5)
@@ -49,8 +49,9 @@ def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
     export_hf_checkpoint(model, hf, dtype=torch.float32)
     out = launch(["tests/parallel_parity_worker.py", "--hf", str(hf)], nproc=4)
     results = dict(re.findall(r"PARITY (\S+) (grad_rel \S+ loss_rel \S+ params \d+)", out))
-    assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2", "pp2_ep2_sac_compile",
-                            "ep2_full_ac", "ep2_efsdp2_hf", "pp2_ep2_hf"}, out
+    assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2", "pp2_interleaved_zb",
+                            "pp2_looped_bfs", "pp2_dualpipev", "pp2_gpipe", "pp2_ep2_sac_compile", "ep2_full_ac",
+                            "ep2_efsdp2_hf", "pp2_ep2_hf"}, out
     for name, line in results.items():
         grad, loss, params = re.match(r"grad_rel (\S+) loss_rel (\S+) params (\d+)", line).groups()
         assert float(grad) < 1e-4 and float(loss) < 1e-5 and int(params) > 100, (name, line)
