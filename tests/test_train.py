@@ -2,6 +2,7 @@
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -92,7 +93,11 @@ def test_nonfinite_gradients_skip_the_step(tmp_path):
     trainer = make_trainer(tmp_path, "--training.nonfinite_grad_policy", "skip")
     param = poison(trainer, "layers.1.attention.q_proj.weight")
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    # The schedule advances without an optimizer step on purpose; torch's warning about it is filtered.
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     assert all(m.skipped for m in trainer.metrics.history)
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     assert param.grad is None

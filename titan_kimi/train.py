@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import time
 import warnings
@@ -27,6 +28,7 @@ from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, in
 from titan_kimi.parallel.layout import ParallelLayout, reject_unbuilt, resolve_layout
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.exit_codes import run_cli
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
@@ -210,7 +212,7 @@ class Trainer:
         lr = self.lr_scheduler.get_last_lr()[0]
         with warnings.catch_warnings():
             # A skipped step still advances the schedule; torch warns when no optimizer step preceded it.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_job_config(sys.argv[1:] if argv is None else argv)
     env = DistEnv.from_environ()
     setup_logging(env.rank)
+    if cfg.job.description:
+        logger.info("job: %s", cfg.job.description)
     args = model_args_from_config(cfg)
     world_size = cfg.job.world_size or env.world_size
     if not cfg.job.world_size and "WORLD_SIZE" not in os.environ:
@@ -305,4 +309,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))
