@@ -165,18 +165,19 @@ class Trainer:
 
     def _final_save(self) -> None:
         """The last step: the full training state, only the model (``last_save_model_only``), or an HF
-        safetensors export in ``export_dtype`` (``last_save_in_hf``)."""
+        safetensors export in ``export_dtype`` (``last_save_in_hf``). A last step that is also due as an
+        interval save is saved resumable as well, so that the run can be extended from it."""
         cfg = self.cfg.checkpoint
         if not cfg.enable:
             return
+        if self.checkpointer.should_save(self.step) or not (cfg.last_save_model_only or cfg.last_save_in_hf):
+            self.checkpointer.save(self.step, self.train_state, force=True)
+        elif not cfg.last_save_in_hf:
+            self.checkpointer.save(self.step, {"model": self.model}, force=True)
         if cfg.last_save_in_hf:
             path = self.checkpointer.folder / f"hf-step-{self.step}"
             export_hf_checkpoint(self.model, path, dtype=DTYPES[cfg.export_dtype], overwrite=True)
             logger.info("exported HF safetensors to %s", path)
-        elif cfg.last_save_model_only:
-            self.checkpointer.save(self.step, {"model": self.model}, force=True)
-        else:
-            self.checkpointer.save(self.step, self.train_state, force=True)
 
     # ------------------------------------------------------------------ one step
     def _forward_loss(self, batch: dict, normalizer: torch.Tensor) -> torch.Tensor:
