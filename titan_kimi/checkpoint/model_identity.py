@@ -100,12 +100,13 @@ def _show(value: Any) -> str:
     return repr(list(value)) if isinstance(value, tuple) else repr(value)
 
 
-def check_config_json(config: dict[str, Any], args: KimiK3ModelArgs, file: str | Path) -> None:
+def check_config_json(config: dict[str, Any], args: KimiK3ModelArgs, file: str | Path,
+                      remedy: str | None = None) -> None:
     """ValueError naming every field where the checkpoint's config.json and the model's args disagree."""
     try:
         saved = KimiK3ModelArgs.from_hf_config(config)
     except (ValueError, TypeError) as err:
         raise ValueError(f"{file}: cannot be read as a Kimi K3 config ({err})") from None
-    check_model_args(saved, args, str(file), ignore=NOT_IN_HF_CONFIG, remedy=(
-        f"Build the model from it (model.hf_config_path = {str(file)!r}, or hf_config_path= in Python), or choose "
+    check_model_args(saved, args, str(file), ignore=NOT_IN_HF_CONFIG, remedy=remedy or (
+        f"Build the model from it (model.hf_config_path = {str(file)!r}; in Python from_pretrained), or choose "
         f"the model.flavor it was saved from."))
