@@ -32,6 +32,7 @@ from titan_kimi.training.exit_codes import run_cli
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
+from titan_kimi.training.shutdown import StopRequest, stop_run
 
 logger = logging.getLogger("titan_kimi")
 
@@ -250,6 +251,7 @@ class Trainer:
         cfg = self.cfg
         gc.disable()
         data_iter = iter(self.dataloader)
+        stop = StopRequest(self.device).install()  # SIGTERM/SIGINT: finish the step, save, exit 128 + signal
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
@@ -260,11 +262,15 @@ class Trainer:
                 if cfg.validation.enable and self.step % cfg.validation.freq == 0:
                     self.validate()
                 if self.step < cfg.training.steps:
-                    self.checkpointer.save(self.step, self.train_state)
+                    saved = self.checkpointer.save(self.step, self.train_state)
+                    if signum := stop.agreed():
+                        raise stop_run(signum, self.step, cfg.training.steps, self.checkpointer, self.train_state,
+                                       saved=saved)
                 if self.step % cfg.training.gc_freq == 0:
                     gc.collect()
             self._final_save()
         finally:
+            stop.restore()
             gc.enable()
         logger.info(self.metrics.summary())
 
