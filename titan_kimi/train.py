@@ -130,7 +130,7 @@ class Trainer:
         torch.manual_seed(self.cfg.job.seed)
         model.init_weights()
 
-    def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True):
+    def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True, split: str = "train"):
         dataset = self.cfg.data.dataset
         if dataset == "medpix":
             raise ValueError(
@@ -141,16 +141,14 @@ class Trainer:
         return build_dataloader(
             dataset, path or None, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
             dp_rank=self.env.rank if self.env.launched else 0, dp_world_size=self.dp, seed=seed,
-            shuffle=shuffle, infinite=infinite, vocab_size=self.args.vocab_size,
+            shuffle=shuffle, infinite=infinite, vocab_size=self.args.vocab_size, split=split,
         )
 
     def _build_validation_loader(self):
         """One pass over the validation data per ``iter()``; built once (tokenising is the expensive part)."""
-        data = self.cfg.data
-        if data.dataset != "synthetic" and not data.validation_path:
-            logger.warning("validation: no data.validation_path, validating on the training data's sample file")
-        return self._build_dataloader(data.validation_path or data.path, seed=self.cfg.job.seed + 1,
-                                      shuffle=False, infinite=False)
+        # data.validation_path = "" is the bundled sample's validation split (config rules require data.path = "").
+        return self._build_dataloader(self.cfg.data.validation_path, seed=self.cfg.job.seed + 1, shuffle=False,
+                                      infinite=False, split="validation")
 
     def _restore(self) -> None:
         """Resume from the latest (or ``checkpoint.load_step``) checkpoint; else start from

@@ -13,6 +13,7 @@ SourceOf = Callable[[str], str]
 Rule = Callable[[JobConfig, SourceOf], None]
 
 _WIDTH = {"bfloat16": 16, "float32": 32}
+_CHECKPOINT_MARKERS = (".metadata", "model.safetensors.index.json", "model.safetensors")
 _PATH_KINDS = {"file": ("an existing file", Path.is_file), "dir": ("an existing folder", Path.is_dir),
                "any": ("an existing file or folder", Path.exists)}
 
@@ -118,9 +119,29 @@ def synthetic_data_takes_no_files(cfg: JobConfig, source_of: SourceOf) -> None:
                       f"\"the whole validation set\" never ends with {dataset}", "an integer >= 1")
 
 
+def validation_has_data(cfg: JobConfig, source_of: SourceOf) -> None:
+    d = cfg.data
+    if cfg.validation.enable and d.dataset != "synthetic" and d.path and not d.validation_path:
+        raise _reject(cfg, "data.validation_path", source_of,
+                      f"\"\" is the bundled sample's validation split, but the training data is "
+                      f"{_other(cfg, 'data.path', source_of)}",
+                      f"a validation file for that data (or validation.enable = false)")
+
+
+def optimizer_implementation_fits(cfg: JobConfig, source_of: SourceOf) -> None:
+    o = cfg.optimizer
+    if o.implementation != "auto" and o.state_dtype != cfg.model.dtype:
+        raise _reject(cfg, "optimizer.implementation", source_of,
+                      f"torch's {o.implementation} Adam keeps the moments in the parameter dtype "
+                      f"({_other(cfg, 'model.dtype', source_of)}), so it cannot keep "
+                      f"{_other(cfg, 'optimizer.state_dtype', source_of)}",
+                      "\"auto\" (then titan_kimi's Adam keeps the moments in state_dtype), or optimizer.state_dtype "
+                      "equal to model.dtype")
+
+
 def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
-    wanted = (("model.hf_config_path", "file"), ("model.tokenizer_path", "any"), ("data.path", "any"),
-              ("data.validation_path", "any"), ("checkpoint.initial_load_path", "dir"))
+    wanted = (("model.hf_config_path", "file"), ("model.tokenizer_path", "dir"), ("data.path", "file"),
+              ("data.validation_path", "file"), ("checkpoint.initial_load_path", "dir"))
     for key, kind in wanted:
         value = _get(cfg, key)
         description, is_right_kind = _PATH_KINDS[kind]
@@ -130,12 +151,25 @@ def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
                        else "no such file or folder")
             raise _reject(cfg, key, source_of, problem, f"{description}, or \"\" for the default")
     c = cfg.checkpoint
+    _is_a_checkpoint(cfg, source_of)
     is_safetensors = c.initial_load_path and any(Path(c.initial_load_path).glob("*.safetensors"))
     if is_safetensors and not c.initial_load_model_only:
         raise _reject(cfg, "checkpoint.initial_load_model_only", source_of,
                       f"safetensors hold no optimizer state, and "
                       f"{_other(cfg, 'checkpoint.initial_load_path', source_of)} is a safetensors folder",
                       "true for a safetensors folder (false only for a DCP step folder)")
+
+
+def _is_a_checkpoint(cfg: JobConfig, source_of: SourceOf) -> None:
+    # The file names of checkpoint/initial.py's format check (a DCP step, or an HF index or model.safetensors).
+    folder = cfg.checkpoint.initial_load_path
+    if not folder or any((Path(folder) / name).is_file() for name in _CHECKPOINT_MARKERS):
+        return
+    steps = sorted(p.name for p in Path(folder).glob("step-*") if (p / ".metadata").is_file())
+    hint = f"it holds the DCP steps {steps}: name one of them" if steps else None
+    raise _reject(cfg, "checkpoint.initial_load_path", source_of,
+                  "is neither a DCP checkpoint step (no .metadata) nor an HF folder (no model.safetensors.index.json "
+                  "or model.safetensors)", "a DCP step-N folder or an HF safetensors folder", hint)
 
 
 RULES: tuple[Rule, ...] = (
@@ -148,6 +182,8 @@ RULES: tuple[Rule, ...] = (
     hf_save_is_model_only,
     synthetic_data_takes_no_files,
     input_paths_exist,
+    validation_has_data,
+    optimizer_implementation_fits,
 )
 
 

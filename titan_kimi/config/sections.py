@@ -36,7 +36,8 @@ class Model:
         "k31_debug", "model size/variant from the flavor registry (k3_* text, k31_* with the indexer)",
         nonempty=True)
     hf_config_path: str = option("", "checkpoint config.json to build model args from; \"\" = use the flavor")
-    tokenizer_path: str = option("", "tiktoken tokenizer file or folder; \"\" = the bundled tokenizer")
+    tokenizer_path: str = option(
+        "", "tokenizer folder (tiktoken.model + tokenizer_config.json); \"\" = the bundled tokenizer")
     dtype: str = option("bfloat16", "dtype the model parameters are kept in", choices=DTYPES)
     freeze_indexer: bool = option(
         True, "keep the K3.1 indexer frozen (top-k selection gives it no LM-loss gradient)")
@@ -75,7 +76,8 @@ class Optimizer:
     eps: float = option(1e-8, "Adam epsilon", bounds=above(0))
     weight_decay: float = option(0.1, "weight decay (decoupled for AdamW, L2 for Adam)", bounds=at_least(0))
     implementation: str = option(
-        "auto", "torch optimizer implementation; auto = fused where the device supports it",
+        "auto", "torch's Adam implementation (needs optimizer.state_dtype = model.dtype); auto = fused where the "
+        "device supports it, or titan_kimi's Adam when the moment dtype differs from the parameters'",
         choices=("auto", "fused", "foreach", "for-loop"))
     state_dtype: str = option("float32", "dtype of the Adam moments", choices=DTYPES)
 
@@ -177,9 +179,10 @@ class Data:
         "training dataset: packed_text packs documents into seq_len rows (document ids reset the model state); "
         "hellaswag and medpix are one padded example per row",
         choices=("packed_text", "hellaswag", "synthetic", "medpix"))
-    path: str = option("", "dataset file or folder; \"\" = the bundled sample (synthetic takes none)")
+    path: str = option("", "dataset file (.jsonl, .json or .parquet); \"\" = the bundled sample (synthetic takes none)")
     shuffle: bool = option(True, "shuffle examples (seeded by job.seed)")
-    validation_path: str = option("", "validation data; \"\" = the dataset's bundled validation split")
+    validation_path: str = option(
+        "", "validation data file; \"\" = the bundled sample's validation split (with data.path = \"\")")
 
 
 @dataclass
