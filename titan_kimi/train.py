@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lowerings.ops import configure_backends
 from titan_kimi.checkpoint import CheckpointManager, export_hf_checkpoint, load_model_weights, training_state
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX, build_dataloader
@@ -29,6 +28,8 @@ from titan_kimi.parallel.layout import ParallelLayout, reject_unbuilt, resolve_l
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.exit_codes import run_cli
+from titan_kimi.training.kernels import configure_kernels
+from titan_kimi.training.kernels import describe as describe_kernels
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
@@ -297,15 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     reject_unbuilt(layout)
     if world_size != env.world_size:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
-    resolved = configure_backends({op: getattr(cfg.kernels, op) for op in
-                                   ("kda", "indexer", "sparse_mla", "situ_glu", "attn_res_mix")})
-    logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
+    resolved = configure_kernels(cfg.kernels)
+    logger.info("kernels: %s", describe_kernels(resolved))
     trainer = Trainer(cfg, args, layout, env)
     try:
         if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
-            from lowerings.kernels.fla_kda import FLA_CONFIGS  # points FLA at shipped autotune configs
+            from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
 
-            logger.info(FLA_CONFIGS)
+            logger.info(prepare_fla_configs())
         trainer.train()
     finally:
         trainer.close()

@@ -5,8 +5,10 @@ Names follow torchtitan 0.2.2 where a torchtitan concept exists, so recipes read
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
+from lowerings.catalog import BACKEND_OPS
+from lowerings.settings import FLA_CONFIG_CHOICES, KernelSettings
 from titan_kimi.config.options import above, at_least, between, option
 
 DTYPES = ("bfloat16", "float32")
@@ -160,16 +162,22 @@ class Compile:
     components: list[str] = option(["model", "loss"], "what to compile", choices=("model", "loss"))
 
 
-@dataclass
-class Kernels:
-    kda: str = option("auto", "Kimi Delta Attention backend", choices=("auto", "reference", "fla", "cudnn"))
-    indexer: str = option("auto", "indexer top-k backend", choices=("auto", "reference", "triton", "cudnn"))
-    sparse_mla: str = option(
-        "auto", "sparse MLA backend", choices=("auto", "dense", "reference", "triton", "cudnn", "flash_mla"))
-    situ_glu: str = option(
-        "auto", "SiTU-GLU expert activation backend", choices=("auto", "reference", "triton"))
-    attn_res_mix: str = option(
-        "auto", "attention-residual mix backend", choices=("auto", "reference", "triton"))
+# One key per op of lowerings/catalog.py (the one op list), then the kernel settings of lowerings/settings.py.
+Kernels = make_dataclass("Kernels", [
+    *[(op, str, option("auto", entry.help, choices=("auto", *entry.backends))) for op, entry in BACKEND_OPS.items()],
+    ("triton_autotune", bool, option(
+        KernelSettings.triton_autotune,
+        "autotune the Triton kernels of lowerings/kernels on the GPU; false = their default configs (a faster "
+        "first step, for debugging and benchmarks)")),
+    ("sparse_mla_ws", bool, option(
+        KernelSettings.sparse_mla_ws,
+        "on Hopper, run the warp-specialized Gluon sparse-MLA forward; false = the Triton-language kernel")),
+    ("fla_configs", str, option(
+        KernelSettings.fla_configs,
+        "FLA's Triton autotune configs: shipped = the ones tuned for this GPU in lowerings/kernels/fla_configs "
+        "(FLA tunes what they lack), autotune = FLA tunes everything at the first step",
+        choices=FLA_CONFIG_CHOICES)),
+])
 
 
 @dataclass
