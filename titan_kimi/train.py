@@ -33,12 +33,10 @@ from titan_kimi.training.kernels import describe as describe_kernels
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import build_lr_scheduler, build_optimizer
+from titan_kimi.training.seeded_init import init_weights_seeded
 from titan_kimi.training.shutdown import StopRequest, stop_run
 
 logger = logging.getLogger("titan_kimi")
-
-FULL_INIT_BYTES = 16 * 2**30  # fp32 size up to which every rank initialises the whole model (see _build_model)
-
 
 def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
@@ -103,14 +101,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build_model(self) -> KimiK3Model:
-        """Initialise, then parallelise. Models up to FULL_INIT_BYTES are initialised whole on every rank from
-        the same seed before sharding, so any layout starts from the same weights as one process; larger ones
-        are initialised shard by shard (same distribution, different draws)."""
+        """Build on the meta device, parallelise, then materialise each rank's part and initialise it with the
+        seeded init (training/seeded_init.py): every layout starts from the weights of one process."""
         cfg = self.cfg
         model = build_meta_model(self.args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer)
-        full_init = count_params(model).total * 4 <= FULL_INIT_BYTES
-        if full_init:
-            self._materialize(model)
         distributed = self.env.launched and self.env.world_size > 1
         self.autocast_dtype = None
         if distributed:
@@ -121,15 +115,10 @@ class Trainer:
             from titan_kimi.parallel.parallelize import apply_single_device
 
             self.autocast_dtype = apply_single_device(model, cfg)
-        if not full_init:
-            self._materialize(model)
+        model.to_empty(device=self.device)
+        init_weights_seeded(model, cfg.job.seed)  # seeded per parameter, not per rank
         model.train()
         return model
-
-    def _materialize(self, model: KimiK3Model) -> None:
-        model.to_empty(device=self.device)
-        torch.manual_seed(self.cfg.job.seed)
-        model.init_weights()
 
     def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True, split: str = "train"):
         dataset = self.cfg.data.dataset
