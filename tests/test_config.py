@@ -437,3 +437,17 @@ def test_paths_of_the_wrong_kind_are_caught_by_the_config(tmp_path):
     with pytest.raises(ConfigError, match=r"it holds the DCP steps \['step-4'\]: name one of them"):
         load("--checkpoint.initial_load_path", str(tmp_path / "ckpt"))
     assert load("--checkpoint.initial_load_path", str(tmp_path / "ckpt" / "step-4"))
+
+
+def test_output_folders_must_be_creatable(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(ConfigError, match=r"job.dump_folder = .*taken\" \(from the command line\): is a file; valid: "
+                                          r"a folder, or a path where one can be created"):
+        load("--job.dump_folder", str(tmp_path / "taken"))
+    with pytest.raises(ConfigError, match=r"job.dump_folder = .*taken/run\" .*: cannot be created: '.*taken' is a file"):
+        load("--job.dump_folder", str(tmp_path / "taken" / "run"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint").write_text("a file")
+    with pytest.raises(ConfigError, match=r'checkpoint.folder = "checkpoint" \(the default\): is a file'):
+        load("--job.dump_folder", str(tmp_path / "run"))
+    assert load("--job.dump_folder", str(tmp_path / "new" / "run"))

@@ -160,6 +160,16 @@ def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
                       "true for a safetensors folder (false only for a DCP step folder)")
 
 
+def output_folders_can_be_created(cfg: JobConfig, source_of: SourceOf) -> None:
+    """job.dump_folder and the checkpoint folder under it: folders, or creatable (no file on their path)."""
+    dump = Path(cfg.job.dump_folder)
+    for key, path in (("job.dump_folder", dump), ("checkpoint.folder", dump / cfg.checkpoint.folder)):
+        existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+        if existing.exists() and not existing.is_dir():
+            where = "is a file" if existing == path else f"cannot be created: {str(existing)!r} is a file"
+            raise _reject(cfg, key, source_of, where, "a folder, or a path where one can be created")
+
+
 def _is_a_checkpoint(cfg: JobConfig, source_of: SourceOf) -> None:
     # The file names of checkpoint/initial.py's format check (a DCP step, or an HF index or model.safetensors).
     folder = cfg.checkpoint.initial_load_path
@@ -182,6 +192,7 @@ RULES: tuple[Rule, ...] = (
     hf_save_is_model_only,
     synthetic_data_takes_no_files,
     input_paths_exist,
+    output_folders_can_be_created,
     validation_has_data,
     optimizer_implementation_fits,
 )
