@@ -103,7 +103,7 @@ def run(argv: list[str] | None = None) -> Path:
             args = model_args_from_hf(opts.hf_config if opts.hf_config else opts.hf_dir)
         return hf_to_dcp(opts.hf_dir, opts.out_dir, args=args, dtype=dtype, overwrite=opts.overwrite, progress=progress)
     base = read_hf_config(opts.hf_config) if opts.hf_config else None
-    args = model_args_for(opts.flavor) if opts.flavor else model_args_from_hf(base) if base else None
+    args = model_args_for(opts.flavor) if opts.flavor else model_args_from_hf(opts.hf_config) if base else None
     refuse_output_in_source(opts.dcp_dir, opts.out_dir)  # the folder given, not only the step chosen in it
     return dcp_to_hf(
         _latest_step(opts.dcp_dir), opts.out_dir, args=args, dtype=dtype,

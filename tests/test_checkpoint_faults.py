@@ -158,3 +158,17 @@ def test_initial_load_of_a_dcp_step_checks_the_model(tmp_path):
     (tmp_path / "step-1" / ".metadata").write_bytes(b"")
     with pytest.raises(ValueError, match=r"DCP metadata .*step-1/\.metadata cannot be read"):
         load_model_weights(make_model("k31_debug"), tmp_path / "step-1")
+
+
+def test_resuming_with_another_number_of_ranks_says_so(tmp_path, monkeypatch):
+    import titan_kimi.checkpoint.dcp_states as dcp_states
+    import titan_kimi.checkpoint.manager as manager_module
+
+    model = make_model()
+    state = training_state(model, torch.optim.AdamW(model.parameters()), rng=True)
+    CheckpointManager(tmp_path, interval=1).save(1, state)
+    monkeypatch.setattr(dcp_states, "global_rank", lambda: 1)  # rank 1 of a run that now has two ranks
+    monkeypatch.setattr(manager_module, "global_rank", lambda: 1)
+    with pytest.raises(ValueError, match=r"holds the per-rank 'rng' state of ranks \[0\], not of rank 1: it was saved "
+                                         r"by 1 rank\(s\); resume it with the same number of data-parallel ranks"):
+        CheckpointManager(tmp_path).load(state)

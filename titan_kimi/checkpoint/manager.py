@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, global_rank
+from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RankLocal, RNGState, global_rank
 from titan_kimi.checkpoint.finite import check_finite_parameters
 from titan_kimi.checkpoint.model_identity import check_model_args, check_saved_keys, read_model_args, write_model_args
 from titan_kimi.checkpoint.storage_errors import describe_write_failure
@@ -88,6 +88,18 @@ def _model_args(state: dict[str, Any]) -> KimiK3ModelArgs | None:
             if isinstance(args, KimiK3ModelArgs):
                 return args
     return None
+
+
+def _check_rank_entry(name: str, saved_keys: Any, path: Path) -> None:
+    """Per-rank entries (data position, RNG) exist for the ranks that saved them only."""
+    rank = global_rank()
+    ranks = sorted({int(m.group(1)) for k in saved_keys if (m := re.match(rf"{re.escape(name)}\.rank_(\d+)\.", k))})
+    if rank not in ranks:
+        raise ValueError(
+            f"checkpoint {path} holds the per-rank {name!r} state of ranks {ranks}, not of rank {rank}: it was saved "
+            f"by {len(ranks)} rank(s); resume it with the same number of data-parallel ranks (or start a new run "
+            f"from its weights with checkpoint.initial_load_path = {str(path)!r})"
+        )
 
 
 def _entries(saved_keys: Any) -> set[str]:
@@ -375,6 +387,8 @@ class CheckpointManager:
         """The saved model args and keys against the model being loaded into (named entries of ModelState)."""
         args = _model_args(state)
         for name, value in state.items():
+            if isinstance(value, (RankLocal, RNGState)):
+                _check_rank_entry(name, saved, path)
             if not isinstance(value, ModelState):
                 continue
             prefix = name + "."
