@@ -172,3 +172,22 @@ def test_resuming_with_another_number_of_ranks_says_so(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"holds the per-rank 'rng' state of ranks \[0\], not of rank 1: it was saved "
                                          r"by 1 rank\(s\); resume it with the same number of data-parallel ranks"):
         CheckpointManager(tmp_path).load(state)
+
+
+def test_disk_full_during_an_hf_export_says_so_and_replaces_nothing(tmp_path, monkeypatch):
+    import titan_kimi.checkpoint.hf_writer as hf_writer
+    from titan_kimi.checkpoint import export_hf_checkpoint
+
+    model = make_model()
+    out = export_hf_checkpoint(model, tmp_path / "hf", dtype=torch.float32)
+    before = sorted(p.name for p in out.iterdir())
+
+    def full(*args, **kwargs):
+        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space "
+                           "left on device\" })")  # what safetensors raises
+
+    monkeypatch.setattr(hf_writer, "save_file", full)
+    with pytest.raises(RuntimeError, match=r"HF export to .*hf failed, nothing was replaced: no space left on the "
+                                           r"device holding"):
+        export_hf_checkpoint(model, out, dtype=torch.float32, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == before and not (tmp_path / ".hf.tmp").exists()
