@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time every sparse-MLA autotune config")
     p.add_argument("--no-ref", action="store_true", help="skip the torch references")
-    p.add_argument("--no-autotune", action="store_true", help="use the default configs (kernels.triton_autotune = false)")
+    p.add_argument("--no-autotune", action="store_true",
+                   help="use the default configs (kernels.triton_autotune = false)")
     p.add_argument("--no-sparse-mla-ws", action="store_true",
                    help="the Triton-language sparse-MLA forward on Hopper too (kernels.sparse_mla_ws = false)")
     p.add_argument("--out", type=Path, default=None, help="write results as JSON here")

@@ -94,7 +94,7 @@ def test_distributions_match_the_modules_init_weights(flavor):
             continue
         spec = specs[key]
         if spec.kind in ("uniform", "log_uniform", "trunc_normal"):  # the support, for every size
-            low, high = (0.0, torch.tensor(spec.high).log().item()) if spec.kind == "log_uniform" else (spec.low, spec.high)
+            low, high = (spec.low, spec.high) if spec.kind != "log_uniform" else (0.0, float(torch.tensor(spec.high).log()))
             assert low <= got.min().item() and got.max().item() <= high, key
         if got.numel() >= 512:  # enough values to compare the spread
             spread = want.std().item()

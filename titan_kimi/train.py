@@ -38,6 +38,7 @@ from titan_kimi.training.shutdown import StopRequest, stop_run
 
 logger = logging.getLogger("titan_kimi")
 
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed)

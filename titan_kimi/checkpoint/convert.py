@@ -211,7 +211,8 @@ def dcp_to_hf(
                 with quiet_single_process():
                     dcp.load({MODEL_KEY: batch}, checkpoint_id=str(dcp_path))
             except CheckpointException as err:  # a BaseException: the script's exit-2 path needs a ValueError
-                raise ValueError(f"reading DCP checkpoint {dcp_path} failed (damaged or missing files?):\n{err}") from None
+                raise ValueError(
+                    f"reading DCP checkpoint {dcp_path} failed (damaged or missing files?):\n{err}") from None
             for fqn, tensor in batch.items():
                 key_dtype = fp32_params_dtype if fp32_params_dtype is not None and fqn in fp32 else dtype
                 for key, value in hf_tensors_for(fqn, tensor, dtype=key_dtype, mxfp4_experts=mxfp4_experts):
