@@ -363,6 +363,11 @@ def test_initial_load_of_safetensors_must_be_model_only(tmp_path):
     with pytest.raises(ConfigError, match=r"checkpoint.initial_load_model_only = false .*safetensors folder"):
         load("--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_model_only=false")
     assert load("--checkpoint.initial_load_path", str(tmp_path)).checkpoint.initial_load_path == str(tmp_path)
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-3" / ".metadata").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"checkpoint.initial_load_model_only = false .*: loading the optimizer, "
+                                          r"schedule and data state .* is not built.*valid: true\. To continue a run"):
+        load("--checkpoint.initial_load_path", str(tmp_path / "step-3"), "--checkpoint.initial_load_model_only=false")
 
 
 def test_hf_config_path_must_be_a_file(tmp_path):
@@ -451,3 +456,12 @@ def test_output_folders_must_be_creatable(tmp_path):
     with pytest.raises(ConfigError, match=r'checkpoint.folder = "checkpoint" \(the default\): is a file'):
         load("--job.dump_folder", str(tmp_path / "run"))
     assert load("--job.dump_folder", str(tmp_path / "new" / "run"))
+
+
+def test_checkpoint_keys_that_need_checkpointing_are_not_silently_ignored():
+    with pytest.raises(ConfigError, match=r"checkpoint.load_step = 5 \(from the command line\): nothing is resumed with "
+                                          r"checkpoint.enable = false \(the default\); valid: -1, or checkpoint.enable"):
+        load("--checkpoint.load_step", "5")
+    with pytest.raises(ConfigError, match=r"checkpoint.last_save_in_hf = true .*: nothing is saved with checkpoint.enable"):
+        load("--checkpoint.last_save_in_hf")
+    assert load("--checkpoint.last_save_in_hf", "--checkpoint.enable", "--checkpoint.load_step", "5")

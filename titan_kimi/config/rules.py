@@ -99,6 +99,20 @@ def mixed_precision_only_lowers(cfg: JobConfig, source_of: SourceOf) -> None:
                       f"{cfg.model.dtype}, or model.dtype = \"float32\"")
 
 
+def checkpoint_keys_need_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
+    """Keys that act only when checkpointing is on would otherwise be accepted and do nothing."""
+    c = cfg.checkpoint
+    if c.enable:
+        return
+    enable = _other(cfg, "checkpoint.enable", source_of)
+    if c.load_step != -1:
+        raise _reject(cfg, "checkpoint.load_step", source_of, f"nothing is resumed with {enable}",
+                      "-1, or checkpoint.enable = true")
+    if c.last_save_in_hf:
+        raise _reject(cfg, "checkpoint.last_save_in_hf", source_of, f"nothing is saved with {enable}",
+                      "false, or checkpoint.enable = true")
+
+
 def hf_save_is_model_only(cfg: JobConfig, source_of: SourceOf) -> None:
     if cfg.checkpoint.last_save_in_hf and not cfg.checkpoint.last_save_model_only:
         raise _reject(cfg, "checkpoint.last_save_model_only", source_of,
@@ -157,7 +171,13 @@ def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
         raise _reject(cfg, "checkpoint.initial_load_model_only", source_of,
                       f"safetensors hold no optimizer state, and "
                       f"{_other(cfg, 'checkpoint.initial_load_path', source_of)} is a safetensors folder",
-                      "true for a safetensors folder (false only for a DCP step folder)")
+                      "true")
+    if c.initial_load_path and not c.initial_load_model_only:  # it was accepted and ignored
+        raise _reject(cfg, "checkpoint.initial_load_model_only", source_of,
+                      "loading the optimizer, schedule and data state from checkpoint.initial_load_path is not "
+                      "built (only the model weights are read)", "true",
+                      "To continue a run with its optimizer state, resume it: checkpoint.enable with that run's "
+                      "job.dump_folder and checkpoint.folder (checkpoint.load_step picks the step)")
 
 
 def output_folders_can_be_created(cfg: JobConfig, source_of: SourceOf) -> None:
@@ -190,6 +210,7 @@ RULES: tuple[Rule, ...] = (
     batch_shapes_divide,
     mixed_precision_only_lowers,
     hf_save_is_model_only,
+    checkpoint_keys_need_checkpointing,
     synthetic_data_takes_no_files,
     input_paths_exist,
     output_folders_can_be_created,

@@ -136,7 +136,8 @@ class Checkpoint:
     initial_load_path: str = option(
         "", "weights to start from: an HF safetensors folder or a DCP step folder; \"\" = random init")
     initial_load_model_only: bool = option(
-        True, "load only the model weights from initial_load_path (required for safetensors)")
+        True, "load only the model weights from initial_load_path; only true is built (resume a run to continue "
+        "its optimizer state)")
     load_step: int = option(-1, "step to resume from; -1 = the latest", bounds=at_least(0, also=(-1,)))
     last_save_model_only: bool = option(
         True, "the final save holds only the model weights (no optimizer state)")

@@ -57,7 +57,7 @@ class StopRequest:
         self.signum = signum
         # os.write, not logging: a handler may run while the logging lock is held.
         os.write(2, f"titan_kimi: received {signal.Signals(signum).name}; finishing the current step, then "
-                    f"saving and stopping\n".encode())
+                    f"stopping (saving first when checkpointing is on)\n".encode())
 
     def agreed(self) -> int | None:
         """The signal any rank received (the largest number if several), or None; a collective."""
