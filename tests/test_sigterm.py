@@ -20,10 +20,7 @@ ARGS = ["--job.config_file", "train_configs/k31_debug.toml", "--training.steps",
 
 
 def losses(folder: Path) -> list[float]:
-    path = folder / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def start(launcher: list[str], folder: Path, *extra: str) -> subprocess.Popen:
@@ -38,9 +35,14 @@ def run_to_end(launcher: list[str], folder: Path, *extra: str) -> str:
     return out
 
 
+def logged_steps(folder: Path) -> int:
+    path = folder / "metrics.jsonl"
+    return path.read_text().count("\n") if path.is_file() else 0  # complete lines only: the file is being written
+
+
 def signal_after_two_steps(proc: subprocess.Popen, folder: Path, pid_of=lambda proc: proc.pid) -> str:
     deadline = time.time() + 240
-    while len(losses(folder)) < 2:
+    while logged_steps(folder) < 2:
         assert proc.poll() is None and time.time() < deadline, "the run ended before it could be signalled"
         time.sleep(0.05)
     os.kill(pid_of(proc), signal.SIGTERM)
