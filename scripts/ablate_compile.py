@@ -48,13 +48,12 @@ sys.path.insert(0, str(ROOT))
 
 from lowerings.inductor.modes import compile_mode, compile_mode_names  # noqa: E402
 from lowerings.inductor.passes import COUNTER  # noqa: E402
-from lowerings.ops import configure_backends  # noqa: E402
+from titan_kimi.training.kernels import configure_kernels  # noqa: E402
 from titan_kimi.config import load_job_config  # noqa: E402
 from titan_kimi.parallel.distributed import DistEnv  # noqa: E402
 from titan_kimi.parallel.layout import resolve_layout  # noqa: E402
 from titan_kimi.training.build import model_args_from_config  # noqa: E402
 
-KERNEL_OPS = ("kda", "indexer", "sparse_mla", "situ_glu", "attn_res_mix")
 SETUP_KEYS = ("flavor", "config", "steps", "seq_len", "batch", "n_layers", "overrides", "device", "cache",
               "lr_warmup_steps")
 
@@ -96,7 +95,7 @@ def build_trainer(opts: argparse.Namespace, mode: str, dump: Path):
     from titan_kimi.train import Trainer
 
     cfg = load_job_config(job_argv(opts, mode, dump), environ={})
-    configure_backends({op: getattr(cfg.kernels, op) for op in KERNEL_OPS})
+    configure_kernels(cfg.kernels)
     args = model_args_from_config(cfg)
     if opts.n_layers:  # a shorter stack of the same flavor (layer pattern recomputed for n_layers)
         args = dataclasses.replace(args, n_layers=opts.n_layers, kda_layers=(), full_attn_layers=())

@@ -79,7 +79,7 @@ def main() -> int:
     if device.type == "cpu" and not opts.tiny:
         print("bench_dsa_layer.py needs a CUDA GPU for the K3.1 geometry (use --tiny on CPU)", file=sys.stderr)
         return 2
-    configure_backends({"indexer": "auto", "sparse_mla": "auto"})
+    configure_backends({"indexer_topk": "auto", "sparse_mla": "auto"})
     args = model_args_for("k31_debug" if opts.tiny else "k31")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     torch.manual_seed(0)

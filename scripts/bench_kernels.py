@@ -32,6 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lowerings.settings import configure_kernel_settings, kernel_settings  # noqa: E402
+
 H_MLA, D_QK, D_V, TOPK = 96, 576, 512, 2048
 HI, DI = 64, 128
 SITU_F, SITU_ROWS_PER_TOKEN = 3072, 16
@@ -298,7 +300,7 @@ def _env() -> dict:
                 device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
                 python=platform.python_version(),
-                autotune=os.environ.get("TITAN_KIMI_TRITON_AUTOTUNE", "1") != "0")
+                autotune=kernel_settings().triton_autotune, sparse_mla_ws=kernel_settings().sparse_mla_ws)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time every sparse-MLA autotune config")
     p.add_argument("--no-ref", action="store_true", help="skip the torch references")
-    p.add_argument("--no-autotune", action="store_true", help="use the default configs (no autotuning)")
+    p.add_argument("--no-autotune", action="store_true",
+                   help="use the default configs (kernels.triton_autotune = false)")
+    p.add_argument("--no-sparse-mla-ws", action="store_true",
+                   help="the Triton-language sparse-MLA forward on Hopper too (kernels.sparse_mla_ws = false)")
     p.add_argument("--out", type=Path, default=None, help="write results as JSON here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -322,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.reps < 10:
         p.error("--reps must be >= 10")
-    if args.no_autotune:
-        os.environ["TITAN_KIMI_TRITON_AUTOTUNE"] = "0"
+    configure_kernel_settings(triton_autotune=not args.no_autotune, sparse_mla_ws=not args.no_sparse_mla_ws)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     unknown = [o for o in ops if o not in BENCHES]
     if unknown:

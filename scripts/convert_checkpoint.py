@@ -4,12 +4,13 @@
     python scripts/convert_checkpoint.py hf-to-dcp HF_DIR OUT_DIR [--flavor k31_debug | --hf-config config.json]
 
     # DCP (a training step-N folder, or the checkpoint folder: its latest step) -> HF safetensors
-    python scripts/convert_checkpoint.py dcp-to-hf DCP_DIR OUT_DIR (--flavor k3 | --hf-config config.json)
+    python scripts/convert_checkpoint.py dcp-to-hf DCP_DIR OUT_DIR [--flavor k3 | --hf-config config.json]
         [--dtype bfloat16] [--fp32-params-dtype float32] [--mxfp4-experts] [--max-shard-size 5GB]
 
 Both directions hold one tensor (HF -> DCP) or one shard (DCP -> HF) in memory at a time, and write to a
-temporary folder that is renamed into place when complete. Exit status 2 and a one-paragraph message on a bad
-checkpoint, flag or path.
+temporary folder that is renamed into place when complete. The model args of dcp-to-hf default to the
+model_args.json saved with the checkpoint. An output that is, contains or lies inside the source is refused.
+Exit status 2 and a one-paragraph message on a bad checkpoint, flag or path.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from titan_kimi.checkpoint.convert import dcp_to_hf, hf_to_dcp  # noqa: E402
+from titan_kimi.checkpoint.convert import dcp_to_hf, hf_to_dcp, refuse_output_in_source  # noqa: E402
 from titan_kimi.checkpoint.hf_config import model_args_from_hf, read_hf_config  # noqa: E402
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
 from titan_kimi.checkpoint.progress import ProgressBar  # noqa: E402
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     d2h = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> HF safetensors folder")
     d2h.add_argument("dcp_dir", type=Path)
     d2h.add_argument("out_dir", type=Path)
-    model_flags(d2h, "this or --hf-config is required")
+    model_flags(d2h, "default: the model_args.json saved with the checkpoint")
     d2h.add_argument("--fp32-params-dtype", choices=sorted(DTYPES),
                      help="dtype for the tensors the model keeps in fp32 (A_log, dt_bias, convs, ...); default --dtype")
     d2h.add_argument("--mxfp4-experts", action="store_true", help="write routed experts as MXFP4 packed/scale pairs")
@@ -101,10 +102,9 @@ def run(argv: list[str] | None = None) -> Path:
         else:
             args = model_args_from_hf(opts.hf_config if opts.hf_config else opts.hf_dir)
         return hf_to_dcp(opts.hf_dir, opts.out_dir, args=args, dtype=dtype, overwrite=opts.overwrite, progress=progress)
-    if not opts.flavor and not opts.hf_config:
-        raise ValueError("dcp-to-hf needs the model args: pass --flavor NAME or --hf-config PATH/config.json")
     base = read_hf_config(opts.hf_config) if opts.hf_config else None
-    args = model_args_for(opts.flavor) if opts.flavor else model_args_from_hf(base)
+    args = model_args_for(opts.flavor) if opts.flavor else model_args_from_hf(opts.hf_config) if base else None
+    refuse_output_in_source(opts.dcp_dir, opts.out_dir)  # the folder given, not only the step chosen in it
     return dcp_to_hf(
         _latest_step(opts.dcp_dir), opts.out_dir, args=args, dtype=dtype,
         fp32_params_dtype=DTYPES[opts.fp32_params_dtype] if opts.fp32_params_dtype else None,

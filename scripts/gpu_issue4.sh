@@ -35,9 +35,9 @@ step() {
 
 # (tests/test_kda_gpu.py runs last: its dense B=2 case has no shipped FLA configs and autotunes for minutes)
 if want tests; then
-TITAN_KIMI_TRITON_AUTOTUNE=0 timeout 170 python3 -m pytest -m gpu tests/test_triton_kernels.py \
+timeout 170 python3 -m pytest -m gpu tests/test_triton_kernels.py \
   tests/test_sparse_mla_ws.py tests/test_topk_select.py tests/test_sparse_mla_plan.py tests/test_inductor_pass.py \
-  tests/test_compile_modes.py -q -rs -rf > "$OUT/pytest_gpu.log" 2>&1
+  tests/test_compile_modes.py -q -rs -rf --kernels-triton-autotune false > "$OUT/pytest_gpu.log" 2>&1
 step pytest $?; tail -3 "$OUT/pytest_gpu.log"
 fi
 
@@ -45,7 +45,7 @@ if want kernels; then
 timeout 90 python3 scripts/bench_kernels.py --T 8192 --no-ref --out "$OUT/bench_kernels.json" > "$OUT/bench_kernels.md" 2>&1
 step bench_kernels $?; grep -E "^\| (sparse_mla|indexer)" "$OUT/bench_kernels.md"
 # the Triton-language sparse-MLA forward for comparison (the Gluon one is the default on Hopper)
-TITAN_KIMI_SPARSE_MLA_WS=0 timeout 40 python3 scripts/bench_kernels.py --T 8192 --ops sparse_mla --no-ref \
+timeout 40 python3 scripts/bench_kernels.py --T 8192 --ops sparse_mla --no-ref --no-sparse-mla-ws \
   --out "$OUT/bench_sparse_mla_triton.json" > "$OUT/bench_sparse_mla_triton.md" 2>&1
 step bench_sparse_mla_triton $?; grep -E "^\| sparse_mla \| triton \| fwd" "$OUT/bench_sparse_mla_triton.md"
 fi
@@ -58,17 +58,18 @@ step dsa_compiled $?; grep -E "^\| [0-9]" "$OUT/dsa_compiled.md"
 fi
 
 if want ablate; then
-TITAN_KIMI_TRITON_AUTOTUNE=0 timeout 280 python3 scripts/ablate_compile.py --flavor k31_small --seq-len 8192 \
+timeout 280 python3 scripts/ablate_compile.py --flavor k31_small --seq-len 8192 \
   --batch 1 --steps 20 --lr-warmup-steps 5 --modes none,default,reduce-overhead,inductor --out "$OUT/ablate" \
-  --cache warm --no-plot --warmup --profile > "$OUT/ablate.log" 2>&1
+  --cache warm --no-plot --warmup --profile -- --kernels.triton_autotune false > "$OUT/ablate.log" 2>&1
 step ablate $?
 rm -rf "$OUT/ablate/runs"; cat "$OUT/ablate/results.md" 2>/dev/null
 fi
 
 if want max-autotune; then  # its own process and eager baseline; pointwise autotuning takes minutes to compile
-  TITAN_KIMI_TRITON_AUTOTUNE=0 timeout $(( 585 - ($(date +%s) - T0) )) python3 scripts/ablate_compile.py \
+  timeout $(( 585 - ($(date +%s) - T0) )) python3 scripts/ablate_compile.py \
     --flavor k31_small --seq-len 8192 --batch 1 --steps 20 --lr-warmup-steps 5 --modes none,max-autotune \
-    --out "$OUT/ablate_max_autotune" --cache warm --no-plot --warmup > "$OUT/ablate_max_autotune.log" 2>&1
+    --out "$OUT/ablate_max_autotune" --cache warm --no-plot --warmup -- --kernels.triton_autotune false \
+    > "$OUT/ablate_max_autotune.log" 2>&1
   step ablate_max_autotune $?
   rm -rf "$OUT/ablate_max_autotune/runs"; cat "$OUT/ablate_max_autotune/results.md" 2>/dev/null
 fi

@@ -8,6 +8,8 @@ Outputs (deterministic: the same bytes on every run):
 - ``sample_hellaswag.jsonl``: made-up multiple-choice items in the public HellaSwag schema
   (``ind, activity_label, ctx_a, ctx_b, ctx, endings, source_id, split, split_type, label``; the label
   is a string, as in the Hugging Face copy of the data set).
+- ``sample_text_validation.jsonl``, ``sample_hellaswag_validation.jsonl``: the validation splits of both
+  (``data.validation_path = ""``), drawn from their own seeds so the training files stay as they were.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ DEFAULT_OUT_DIR = REPO_ROOT / "titan_kimi" / "assets" / "data"
 SEED = 20260101
 NUM_TEXT_DOCS = 700
 NUM_HELLASWAG_ITEMS = 200
+NUM_TEXT_VALIDATION_DOCS = 70
+NUM_HELLASWAG_VALIDATION_ITEMS = 40
 
 NAMES = ["Ada", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Keiko",
          "Liam", "Maya", "Noor", "Oscar", "Priya", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera",
@@ -258,7 +262,7 @@ ACTIVITIES = {
 PRONOUNS = ["She", "He"]
 
 
-def hellaswag_item(rng: random.Random, index: int) -> dict:
+def hellaswag_item(rng: random.Random, index: int, split: str = "train") -> dict:
     labels = sorted(ACTIVITIES)
     activity = rng.choice(labels)
     template, endings = ACTIVITIES[activity]
@@ -283,7 +287,7 @@ def hellaswag_item(rng: random.Random, index: int) -> dict:
         "ctx": f"{ctx_a} {ctx_b}",
         "endings": choices,
         "source_id": f"titan_kimi-sample~{index}",
-        "split": "train",
+        "split": split,
         "split_type": "indomain",
         "label": str(label),
     }
@@ -308,7 +312,24 @@ def main() -> None:
     rng = random.Random(SEED + 1)
     items = [hellaswag_item(rng, i) for i in range(NUM_HELLASWAG_ITEMS)]
     write_jsonl(args.out_dir / "sample_hellaswag.jsonl", items)
-    print(f"wrote {len(texts)} documents and {len(items)} HellaSwag items to {args.out_dir}")
+
+    # Validation splits hold no document (no HellaSwag context) that the training files hold.
+    rng, seen, val_texts = random.Random(SEED + 2), {t["text"] for t in texts}, []
+    while len(val_texts) < NUM_TEXT_VALIDATION_DOCS:
+        text = rng.choice(TEXT_KINDS)(rng)
+        if text not in seen:
+            seen.add(text)
+            val_texts.append({"text": text})
+    write_jsonl(args.out_dir / "sample_text_validation.jsonl", val_texts)
+    rng, seen, val_items = random.Random(SEED + 3), {i["ctx"] for i in items}, []
+    while len(val_items) < NUM_HELLASWAG_VALIDATION_ITEMS:
+        item = hellaswag_item(rng, NUM_HELLASWAG_ITEMS + len(val_items), split="val")
+        if item["ctx"] not in seen:
+            seen.add(item["ctx"])
+            val_items.append(item)
+    write_jsonl(args.out_dir / "sample_hellaswag_validation.jsonl", val_items)
+    print(f"wrote {len(texts)} + {len(val_texts)} documents and {len(items)} + {len(val_items)} HellaSwag items "
+          f"(train + validation) to {args.out_dir}")
 
 
 if __name__ == "__main__":

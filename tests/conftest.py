@@ -14,6 +14,21 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--kernels-triton-autotune", choices=("true", "false"), default="true",
+                     help="kernels.triton_autotune for the GPU kernel tests (false: default configs, a faster run)")
+
+
+def pytest_configure(config):
+    from lowerings.settings import configure_kernel_settings, refuse_replaced_environment
+
+    try:
+        refuse_replaced_environment(os.environ)
+    except ValueError as err:
+        raise pytest.UsageError(f"{err} (for the tests: --kernels-triton-autotune false)") from None
+    configure_kernel_settings(triton_autotune=config.getoption("--kernels-triton-autotune") == "true")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

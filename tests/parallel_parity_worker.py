@@ -24,6 +24,7 @@ from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.train import Trainer
 from titan_kimi.training.build import model_args_from_config, tokenizer_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
+from titan_kimi.training.seeded_init import init_weights_seeded
 
 GLOBAL_BATCH = 8
 COMMON = ["--job.config_file", "train_configs/k31_debug.toml", "--model.flavor", "k31_debug_pp",
@@ -68,8 +69,7 @@ def reference(cfg, args, global_batch: int):
     with torch.device("meta"):
         model = KimiK3Model(args)
     model.to_empty(device="cpu")
-    torch.manual_seed(cfg.job.seed)
-    model.init_weights()
+    init_weights_seeded(model, cfg.job.seed)
     if cfg.checkpoint.initial_load_path:
         load_model_weights(model, cfg.checkpoint.initial_load_path)
     loader = build_dataloader(cfg.data.dataset, cfg.data.path or None, tokenizer_from_config(cfg, args),

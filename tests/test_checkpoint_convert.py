@@ -90,11 +90,15 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
 
     fails(["hf-to-dcp", str(source), str(tmp_path / "out"), "--quiet"], "already exists")
     fails(["hf-to-dcp", str(source), str(tmp_path / "d"), "--flavor", "k31_debug", "--quiet"],
-          "needed by model key 'layers.3.attention.indexer.wq_b.weight' is missing")
+          "config.json holds a different model than this run builds (3 fields differ):\n  index_n_heads: 0 in the "
+          "checkpoint, 2 in this model")
     assert not (tmp_path / "d").exists() and not (tmp_path / ".d.tmp").exists()  # nothing half-written
-    fails(["dcp-to-hf", str(tmp_path / "hf"), str(tmp_path / "x")], "needs the model args")
     fails(["dcp-to-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--flavor", "k3_debug"], "holds no complete step-N")
     assert convert.main(["hf-to-dcp", str(source), str(tmp_path / "dcp"), "--quiet"]) == 0
+    fails(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "k31_debug"],
+          "index_n_heads: 0 in the checkpoint, 2 in this model")
+    (tmp_path / "dcp" / "model_args.json").unlink()  # as saved by an older titan_kimi
+    fails(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "x")], "has no model_args.json")
     fails(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "k31_debug"],
           "does not match the model args")
     fails(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "nope"], "unknown model flavor")
@@ -112,3 +116,39 @@ def test_initial_weights_format_detection(tmp_path):
     (tmp_path / "ckpt" / "step-3" / ".metadata").write_bytes(b"")
     with pytest.raises(ValueError, match=r"holds DCP steps \['step-3'\]: pass one of them"):
         checkpoint_format(tmp_path / "ckpt")
+
+
+def test_the_converter_refuses_to_write_into_its_own_source(tmp_path, capsys):
+    reference = build_model("k3_debug", seed=35)
+    ckpt = CheckpointManager(tmp_path / "ckpt", interval=1)
+    ckpt.save(5, {"model": reference})
+    before = sorted(p.name for p in (tmp_path / "ckpt").rglob("*"))
+    for out, relation in ((tmp_path / "ckpt", "is"), (tmp_path / "ckpt" / "hf", "lies inside"),
+                          (tmp_path, "contains")):
+        assert convert.main(["dcp-to-hf", str(tmp_path / "ckpt"), str(out), "--overwrite", "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"output {str(out)!r} {relation} the source" in err and "destroy the checkpoint" in err, err
+    step = tmp_path / "ckpt" / "step-5"
+    assert convert.main(["dcp-to-hf", str(step), str(step), "--overwrite", "--quiet"]) == 2
+    assert sorted(p.name for p in (tmp_path / "ckpt").rglob("*")) == before  # nothing deleted
+    source = write_hf(tmp_path / "hf", hf_layout(reference, mxfp4=False), reference.args)
+    assert convert.main(["hf-to-dcp", str(source), str(source / "dcp"), "--quiet"]) == 2
+    assert "lies inside the source" in capsys.readouterr().err
+
+
+def test_a_wrong_flavor_never_drops_weights_and_a_corrupt_dcp_exits_2(tmp_path, capsys):
+    k31 = build_model("k31_debug", seed=36)
+    CheckpointManager(tmp_path / "ckpt", interval=1).save(1, {"model": k31})
+    step = tmp_path / "ckpt" / "step-1"
+    (step / "model_args.json").unlink()  # only the keys can tell
+    assert convert.main(["dcp-to-hf", str(step), str(tmp_path / "out"), "--flavor", "k3_debug", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "model key(s) this model does not have: 'layers.3.attention.indexer" in err and "drop them" in err, err
+    assert not (tmp_path / "out").exists()
+    for distcp in step.glob("*.distcp"):
+        distcp.write_bytes(distcp.read_bytes()[:100])  # truncated data files
+    assert convert.main(["dcp-to-hf", str(step), str(tmp_path / "out"), "--flavor", "k31_debug", "--quiet"]) == 2
+    assert f"reading DCP checkpoint {step} failed" in capsys.readouterr().err
+    (step / ".metadata").write_bytes(b"garbage")
+    assert convert.main(["dcp-to-hf", str(step), str(tmp_path / "out"), "--flavor", "k31_debug", "--quiet"]) == 2
+    assert f"DCP metadata {step / '.metadata'} cannot be read" in capsys.readouterr().err

@@ -97,9 +97,9 @@ def test_interval_force_and_keep_latest_k(tmp_path):
     ckpt = manager(tmp_path, interval=2, keep_latest_k=2)
     saved = [step for step in range(1, 8) if ckpt.save(step, run.state)]
     assert saved == [2, 4, 6]
-    assert ckpt.save(7, run.state, force=True)
-    assert not ckpt.save(7, run.state, force=True)  # already on disk
-    assert ckpt.steps() == [6, 7]
+    assert ckpt.save(7, {"model": run.model}, force=True)
+    assert ckpt.save(7, run.state, force=True)  # never skipped: the model-only step 7 is replaced
+    assert ckpt.steps() == [6, 7] and ckpt.load(run.state) == 7
     assert sorted(p.name for p in ckpt.folder.iterdir()) == ["step-6", "step-7"]
     keep_all = manager(tmp_path / "all", interval=1, keep_latest_k=0)
     for step in range(1, 5):

@@ -186,10 +186,18 @@ def test_synthetic_mxfp4_checkpoint_loads_exactly(tmp_path, flavor):
     assert fp32.dtype == torch.float32 and fp32.shape == (model.args.kda_num_heads,)
 
 
-def test_load_without_index_scans_headers(tmp_path):
+def test_without_an_index_only_model_safetensors_is_read(tmp_path):
     reference = build_model("k3_debug", seed=3)
     path = write_hf(tmp_path / "hf", hf_layout(reference, mxfp4=True), reference.args, index=False)
     model = empty_like_model(reference)
+    with pytest.raises(ValueError, match=r"has neither model.safetensors.index.json nor model.safetensors; it holds "
+                                         r"\['model-00001-of-00003.safetensors', .*need an index"):
+        load_hf_checkpoint(model, path)
+    merged = read_all(path)
+    for file in path.glob("*.safetensors"):
+        file.unlink()
+    save_file(merged, str(path / "model.safetensors"))
+    save_file({"stray": torch.zeros(2)}, str(path / "adapter.safetensors"))  # not part of the checkpoint
     load_hf_checkpoint(model, path)
     assert_same_state(model, reference)
 

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from test_checkpoint_hf import M, _localise_experts, build_model, empty_like_model, hf_layout, write_hf
-from titan_kimi.checkpoint import HFCheckpoint, load_hf_checkpoint
+from titan_kimi.checkpoint import HFCheckpoint, hf_config, load_hf_checkpoint
+from titan_kimi.checkpoint.model_identity import NOT_IN_HF_CONFIG, args_differences
+from titan_kimi.models.kimi_k3 import KimiK3ModelArgs, flavor_names, model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
 
 LAST = "model-00003-of-00003.safetensors"
@@ -160,7 +162,7 @@ def test_meta_model_and_bad_folders_are_rejected(tmp_path, reference, good):
     with pytest.raises(ValueError, match="is not a folder"):
         load_hf_checkpoint(reference, tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="has neither model.safetensors.index.json nor \\*.safetensors"):
+    with pytest.raises(ValueError, match="has neither model.safetensors.index.json nor model.safetensors"):
         HFCheckpoint(tmp_path / "empty")
 
 
@@ -186,3 +188,49 @@ def test_a_rank_notices_missing_keys_it_does_not_own(tmp_path, reference, good):
     message = rf"'{EXPERT}\.weight' .* needed by model key 'layers\.7\.moe\.experts\.w2' is missing"
     with pytest.raises(ValueError, match=message):
         load_hf_checkpoint(model, write_hf(tmp_path / "hf", tensors, reference.args), expert_range=(0, 4))
+
+
+def test_a_truncated_shard_is_reported_once(tmp_path, reference, good):
+    path = write_hf(tmp_path / "hf", good, reference.args)
+    data = (path / LAST).read_bytes()
+    (path / LAST).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError) as caught:
+        load_hf_checkpoint(empty_like_model(reference), path)
+    message = str(caught.value)
+    assert message.count(f"cannot read the header of {LAST}") == 1, message
+    assert f"({len(data) // 2} bytes; truncated or damaged?)" in message
+
+
+def test_config_json_that_disagrees_with_the_model_names_every_field(tmp_path, reference, good):
+    path = write_hf(tmp_path / "hf", good, reference.args)
+    config = json.loads((path / "config.json").read_text())
+    config["text_config"].update(num_experts_per_token=3, rms_norm_eps=1e-6)
+    (path / "config.json").write_text(json.dumps(config))
+    model = empty_like_model(reference)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"(?s)config\.json holds a different model than this run builds \(2 fields "
+                                         r"differ\).*norm_eps: 1e-06 in the checkpoint, 1e-05 in this model.*"
+                                         r"num_experts_per_tok: 3 in the checkpoint, 2 in this model.*hf_config_path"):
+        load_hf_checkpoint(model, path)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    load_hf_checkpoint(model, path, check_config=False)  # the caller's explicit choice
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t[EXPERT + ".weight_scale"].fill_(255),
+     rf"MXFP4 pair \(a scale of 255 decodes to NaN\) '{EXPERT}\.weight_packed' in {LAST} holds 4096 non-finite"),
+    (lambda t: t[ATTN + "o_proj.weight"].view(-1)[3].fill_(float("inf")),
+     rf"tensor '{ATTN}o_proj\.weight' in {LAST} holds 1 non-finite value\(s\), e\.g\. inf at index \[0, 3\] of the "
+     rf"part read for model key 'layers\.7\.attention\.o_proj\.weight'"),
+])
+def test_non_finite_weights_are_caught_where_they_are_read(tmp_path, reference, good, edit, message):
+    tensors = {k: v.clone() for k, v in good.items()}
+    edit(tensors)
+    with pytest.raises(ValueError, match=message):
+        load_hf_checkpoint(empty_like_model(reference), write_hf(tmp_path / "hf", tensors, reference.args))
+
+
+@pytest.mark.parametrize("flavor", flavor_names())
+def test_our_own_config_json_never_disagrees_with_its_model(flavor):
+    args = model_args_for(flavor)
+    assert args_differences(KimiK3ModelArgs.from_hf_config(hf_config(args)), args, NOT_IN_HF_CONFIG) == []

@@ -287,7 +287,7 @@ BAD_CONFIGS = {
                                ["checkpoint.last_save_model_only = false", "checkpoint.last_save_in_hf = true"]),
     "missing_data_path": ('[data]\npath = "/nonexistent/corpus.jsonl"\n', [],
                           ['data.path = "/nonexistent/corpus.jsonl"', "{toml}", "no such file or folder",
-                           "an existing file or folder"]),
+                           "an existing file"]),
     "synthetic_with_path": ('[data]\ndataset = "synthetic"\n', ["--data.path", "."],
                             ['data.path = "."', 'data.dataset = "synthetic"', "{toml}", "is never read"]),
     "constant_decay_with_ratio": (None, ["--lr_scheduler.decay_type", "constant",
@@ -359,10 +359,15 @@ def test_bad_launcher_world_size():
 
 
 def test_initial_load_of_safetensors_must_be_model_only(tmp_path):
-    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ConfigError, match=r"checkpoint.initial_load_model_only = false .*safetensors folder"):
         load("--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_model_only=false")
     assert load("--checkpoint.initial_load_path", str(tmp_path)).checkpoint.initial_load_path == str(tmp_path)
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-3" / ".metadata").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"checkpoint.initial_load_model_only = false .*: loading the optimizer, "
+                                          r"schedule and data state .* is not built.*valid: true\. To continue a run"):
+        load("--checkpoint.initial_load_path", str(tmp_path / "step-3"), "--checkpoint.initial_load_model_only=false")
 
 
 def test_hf_config_path_must_be_a_file(tmp_path):
@@ -396,3 +401,67 @@ def test_real_registry_rejects_unknown_flavor():
     assert "model.flavor" in message and '"no_such_flavor"' in message
     for name in names:
         assert name in message
+
+
+def test_a_torch_adam_implementation_needs_moments_in_the_parameter_dtype():
+    with pytest.raises(ConfigError, match=r'optimizer.implementation = "fused" \(from the command line\): torch\'s fused '
+                                          r'Adam keeps the moments in the parameter dtype \(model.dtype = "bfloat16" '
+                                          r'\(the default\)\), so it cannot keep optimizer.state_dtype = "float32".*'
+                                          r'valid: "auto"'):
+        load("--optimizer.implementation", "fused")
+    assert load("--optimizer.implementation", "fused", "--optimizer.state_dtype", "bfloat16")
+    assert load("--optimizer.implementation", "foreach", "--model.dtype", "float32")
+
+
+def test_validation_of_user_data_needs_a_validation_file(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    with pytest.raises(ConfigError, match=r'data.validation_path = "" \(the default\): "" is the bundled sample\'s '
+                                          r'validation split, but the training data is data.path = ".*train.jsonl" '
+                                          r'\(from the command line\); valid: a validation file for that data'):
+        load("--data.path", str(data), "--validation.enable")
+    assert load("--data.path", str(data), "--validation.enable", "--data.validation_path", str(data))
+    assert load("--validation.enable")  # the bundled sample has its own validation split
+
+
+def test_paths_of_the_wrong_kind_are_caught_by_the_config(tmp_path):
+    (tmp_path / "file.jsonl").write_text("{}\n")
+    cases = [
+        (["--data.path", str(tmp_path)], r"data.path = .* \(from the command line\): is a folder; valid: an existing file"),
+        (["--data.validation_path", str(tmp_path)], r"data.validation_path = .*: is a folder; valid: an existing file"),
+        (["--model.tokenizer_path", str(tmp_path / "file.jsonl")],
+         r"model.tokenizer_path = .*file\.jsonl\" \(from the command line\): is a file; valid: an existing folder"),
+        (["--checkpoint.initial_load_path", str(tmp_path)],
+         r"checkpoint.initial_load_path = .*: is neither a DCP checkpoint step \(no \.metadata\) nor an HF folder"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            load(*argv)
+    (tmp_path / "ckpt" / "step-4").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-4" / ".metadata").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"it holds the DCP steps \['step-4'\]: name one of them"):
+        load("--checkpoint.initial_load_path", str(tmp_path / "ckpt"))
+    assert load("--checkpoint.initial_load_path", str(tmp_path / "ckpt" / "step-4"))
+
+
+def test_output_folders_must_be_creatable(tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(ConfigError, match=r"job.dump_folder = .*taken\" \(from the command line\): is a file; valid: "
+                                          r"a folder, or a path where one can be created"):
+        load("--job.dump_folder", str(tmp_path / "taken"))
+    with pytest.raises(ConfigError, match=r"job.dump_folder = .*taken/run\" .*: cannot be created: '.*taken' is a file"):
+        load("--job.dump_folder", str(tmp_path / "taken" / "run"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint").write_text("a file")
+    with pytest.raises(ConfigError, match=r'checkpoint.folder = "checkpoint" \(the default\): is a file'):
+        load("--job.dump_folder", str(tmp_path / "run"))
+    assert load("--job.dump_folder", str(tmp_path / "new" / "run"))
+
+
+def test_checkpoint_keys_that_need_checkpointing_are_not_silently_ignored():
+    with pytest.raises(ConfigError, match=r"checkpoint.load_step = 5 \(from the command line\): nothing is resumed with "
+                                          r"checkpoint.enable = false \(the default\); valid: -1, or checkpoint.enable"):
+        load("--checkpoint.load_step", "5")
+    with pytest.raises(ConfigError, match=r"checkpoint.last_save_in_hf = true .*: nothing is saved with checkpoint.enable"):
+        load("--checkpoint.last_save_in_hf")
+    assert load("--checkpoint.last_save_in_hf", "--checkpoint.enable", "--checkpoint.load_step", "5")

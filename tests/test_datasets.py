@@ -8,6 +8,7 @@ import torch
 from titan_kimi.data.assets import SAMPLE_HELLASWAG_PATH, SAMPLE_TEXT_PATH, TOKENIZER_DIR
 from titan_kimi.data.batch import IGNORE_INDEX
 from titan_kimi.data.dataloader import build_dataloader
+from titan_kimi.data.datasets import build_dataset
 from titan_kimi.data.hellaswag import HellaSwagDataset
 from titan_kimi.data.packed_text import PackedTextDataset
 from titan_kimi.data.synthetic import SyntheticDataset
@@ -115,6 +116,14 @@ def test_bad_files(tok, tmp_path):
     write_jsonl(tmp_path / "notext.jsonl", [{"text": "fine"}, {"body": "x"}])
     with pytest.raises(ValueError, match=r"notext\.jsonl: row 2 has no string 'text'"):
         PackedTextDataset(tmp_path / "notext.jsonl", tok, seq_len=4)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1\.jsonl: row 3 is not UTF-8 text \(byte b'\\xe9' at column 14\)"):
+        PackedTextDataset(tmp_path / "latin1.jsonl", tok, seq_len=4)
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a byte-order mark is fine"}\n')
+    assert PackedTextDataset(tmp_path / "bom.jsonl", tok, seq_len=4).num_documents == 1
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"bad\.parquet: not a readable parquet file \(.*magic bytes"):
+        HellaSwagDataset(tmp_path / "bad.parquet", tok, seq_len=32)
 
 
 # -- packed text ---------------------------------------------------------------------------------
@@ -166,6 +175,15 @@ def test_shipped_sample_corpora_load(tok):
     assert docs[0] == 1 and bool((docs[1:] - docs[:-1] >= 0).all())
     hella = HellaSwagDataset(SAMPLE_HELLASWAG_PATH, tok, seq_len=128)
     assert len(hella) == 200 and hella.num_truncated == 0
+
+
+def test_the_bundled_samples_have_disjoint_validation_splits(tok):
+    for name, field in (("packed_text", "text"), ("hellaswag", "ctx")):
+        train, val = (build_dataset(name, None, tok, seq_len=128, split=split) for split in ("train", "validation"))
+        assert train.path != val.path and val.path.name.endswith("_validation.jsonl")
+        seen = {json.loads(line)[field] for line in train.path.read_text(encoding="utf-8").splitlines()}
+        held_out = [json.loads(line)[field] for line in val.path.read_text(encoding="utf-8").splitlines()]
+        assert held_out and not seen.intersection(held_out)
 
 
 # -- synthetic -----------------------------------------------------------------------------------

@@ -277,10 +277,29 @@ def test_too_late_when_fla_is_already_imported(shipped, clean_env, monkeypatch):
     assert "FLA_CACHE_MODE" not in os.environ and "FLA_CONFIG_DIR" not in os.environ
 
 
-def test_adapter_chooses_at_import():
-    from lowerings.kernels import fla_kda
+def test_the_adapter_sets_nothing_at_import_and_follows_the_setting(shipped, clean_env, monkeypatch):
+    import importlib
 
-    assert fla_kda.FLA_CONFIGS.startswith("fla configs: ")
+    from lowerings.kernels import fla_kda
+    from lowerings.settings import configure_kernel_settings
+
+    monkeypatch.delitem(sys.modules, "fla", raising=False)
+    os.environ["FLA_GPU_NAME"] = "NVIDIA H200"
+    importlib.reload(fla_kda)
+    assert "FLA_CACHE_MODE" not in os.environ and "FLA_CONFIG_DIR" not in os.environ  # no import side effect
+    previous = configure_kernel_settings().fla_configs
+    try:
+        configure_kernel_settings(fla_configs="autotune")
+        assert fla_kda.prepare_fla_configs() == "fla configs: none (kernels.fla_configs = autotune), FLA autotunes"
+        assert "FLA_CACHE_MODE" not in os.environ
+        importlib.reload(fla_kda)
+        configure_kernel_settings(fla_configs="shipped")
+        assert fla_kda.prepare_fla_configs() == "fla configs: shipped NVIDIA_H200 (fuzzy)"
+        assert fla_kda.prepare_fla_configs() == "fla configs: shipped NVIDIA_H200 (fuzzy)"  # applied once
+        assert os.environ["FLA_CACHE_MODE"] == "fuzzy"
+    finally:
+        configure_kernel_settings(fla_configs=previous)
+        importlib.reload(fla_kda)
 
 
 # ----------------------------------------------------------------------------------- scripts/tune_fla_configs

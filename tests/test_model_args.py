@@ -103,3 +103,21 @@ def test_from_hf_config_composite_and_bare():
 def test_from_hf_config_rejects_unsupported(change, message):
     with pytest.raises(ValueError, match=message):
         KimiK3ModelArgs.from_hf_config({**hf_text_config(), **change})
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"hidden_size": "big"}, r"config\.json: hidden_size = 'big' must be an integer"),
+    ({"rms_norm_eps": True}, r"rms_norm_eps = True must be a number"),
+    ([1, 2], r"config\.json: must be a JSON object, got list"),
+    ({"linear_attn_config": {"kda_layers": "1,2"}}, r"linear_attn_config\.kda_layers = '1,2' must be a list of integers"),
+    ({"linear_attn_config": [1]}, r"linear_attn_config must be an object, got list"),
+    ({"q_lora_rank": 1.5}, r"q_lora_rank = 1\.5 must be an integer or null"),
+])
+def test_a_malformed_config_json_names_the_file_and_the_field(tmp_path, config, message):
+    import json
+
+    from titan_kimi.checkpoint import model_args_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: .*" + message.removeprefix(r"config\.json: ")):
+        model_args_from_hf(tmp_path)

@@ -2,6 +2,7 @@
 
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -97,7 +98,11 @@ def test_nonfinite_gradients_skip_the_step(tmp_path):
     trainer = make_trainer(tmp_path, "--training.nonfinite_grad_policy", "skip")
     param = poison(trainer, "layers.1.attention.q_proj.weight")
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    # The schedule advances without an optimizer step on purpose; torch's warning about it is filtered.
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     assert all(m.skipped for m in trainer.metrics.history)
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     assert param.grad is None
@@ -138,3 +143,17 @@ def test_deterministic_runs_repeat_exactly(tmp_path, capsys):
     run_main(capsys, *args, "--job.dump_folder", str(tmp_path / "a"))
     run_main(capsys, *args, "--job.dump_folder", str(tmp_path / "b"))
     assert read_metrics(tmp_path / "a")[-1]["loss"] == read_metrics(tmp_path / "b")[-1]["loss"]
+
+
+def test_torch_adam_is_never_silently_replaced():
+    from titan_kimi.config.sections import Optimizer
+    from titan_kimi.training.optimizer import AdamWithStateDtype, build_optimizer
+
+    bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"optimizer.implementation = 'fused': torch's Adam keeps the moments in the "
+                                         r"parameter dtype, but optimizer.state_dtype = 'float32' differs"):
+        build_optimizer([bf16], Optimizer(implementation="fused", state_dtype="float32"))
+    assert isinstance(build_optimizer([bf16], Optimizer(implementation="auto", state_dtype="float32")),
+                      AdamWithStateDtype)
+    fused = build_optimizer([bf16], Optimizer(implementation="fused", state_dtype="bfloat16"))
+    assert type(fused) is torch.optim.AdamW and fused.defaults["fused"]

@@ -75,3 +75,20 @@ def test_final_hf_export_and_initial_load(tmp_path):
     fresh = trainer(tmp_path / "fresh", "--checkpoint.initial_load_path", str(hf))
     for (name, a), (_, b) in zip(run.model.state_dict().items(), fresh.model.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("first_steps, resumed_at", [(2, 2), (3, 2)])
+def test_extending_a_finished_run_reproduces_the_uninterrupted_run(tmp_path, first_steps, resumed_at):
+    """The last step of a run is saved resumable when it is due as an interval save, even with a model-only final
+    save; extending the run resumes from the newest resumable step (the constant schedule makes the runs equal)."""
+    common = ("--lr_scheduler.decay_type", "constant", "--checkpoint.last_save_model_only", "true")
+    straight = trainer(tmp_path / "straight", *common)
+    straight.train()
+    short = trainer(tmp_path / "extended", *common, "--training.steps", str(first_steps))
+    short.train()
+    assert short.checkpointer.steps()[-1] == first_steps
+    extended = trainer(tmp_path / "extended", *common)
+    assert extended.step == resumed_at
+    extended.train()
+    losses = [m.loss for m in short.metrics.history][:resumed_at] + [m.loss for m in extended.metrics.history]
+    assert losses == [m.loss for m in straight.metrics.history]

@@ -549,7 +549,7 @@ def test_attn_res_mix_validation(ik):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# GPU: realistic shapes, compiled kernels (autotuned unless TITAN_KIMI_TRITON_AUTOTUNE=0)
+# GPU: realistic shapes, compiled kernels (autotuned unless pytest --kernels-triton-autotune false)
 
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1",

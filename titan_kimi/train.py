@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import time
 import warnings
@@ -18,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lowerings.ops import configure_backends
 from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_checkpoint, load_model_weights,
                                    training_state)
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
@@ -30,15 +30,18 @@ from titan_kimi.parallel.fsdp import ReplicatedGradients
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.exit_codes import run_cli
+from titan_kimi.training.kernels import configure_kernels
+from titan_kimi.training.kernels import describe as describe_kernels
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import OptimizerParts, SchedulerParts, build_lr_scheduler, build_optimizer
 from titan_kimi.training.router_load import RouterLoad
+from titan_kimi.training.seeded_init import init_weights_seeded
+from titan_kimi.training.shutdown import StopRequest, stop_run
 
 logger = logging.getLogger("titan_kimi")
-
-FULL_INIT_BYTES = 16 * 2**30  # fp32 size up to which every rank initialises the whole model (see _build_model)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -128,11 +131,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _build_model_parts(self):
-        """This rank's model parts (the whole model, or its pipeline stages), initialised, then parallelised.
-
-        Models up to FULL_INIT_BYTES are initialised whole from the seed and copied into the parts before
-        sharding, so any layout starts from the same weights as one process; larger ones are initialised part by
-        part, shard by shard (same distribution, different draws)."""
+        """This rank's model parts (the whole model, or its pipeline stages): built on the meta device,
+        parallelised, then materialised and initialised with the seeded init (training/seeded_init.py), which
+        gives every parameter the values it has in one process, whatever the layout."""
         cfg, layout = self.cfg, self.layout
         plan = layout.pipeline
         pp_rank = self.meshes.pp_rank if self.meshes is not None else 0
@@ -140,9 +141,6 @@ class Trainer:
         dtype = DTYPES[cfg.model.dtype]
         parts = [build_meta_model(self.args, dtype, freeze_indexer=cfg.model.freeze_indexer,
                                   layer_range=plan.ranges[i] if plan is not None else None) for i in indices]
-        full_init = self.counts.total * 4 <= FULL_INIT_BYTES
-        if full_init:
-            self._materialize_from_whole(parts)
         self.autocast_dtype = None
         if self.distributed:
             from titan_kimi.parallel.parallelize import mixed_precision_dtype, parallelize
@@ -154,35 +152,12 @@ class Trainer:
             from titan_kimi.parallel.parallelize import apply_single_device
 
             self.autocast_dtype = apply_single_device(parts[0], cfg)
-        if not full_init:
-            for part in parts:
-                self._materialize(part)
         for part in parts:
+            part.to_empty(device=self.device)
+            init_weights_seeded(part, cfg.job.seed)  # seeded per parameter, not per rank
             part.train()
         pipeline = self._build_pipeline(parts, indices) if plan is not None else None
         return parts, pipeline
-
-    def _materialize(self, model: KimiK3Model) -> None:
-        model.to_empty(device=self.device)
-        torch.manual_seed(self.cfg.job.seed)
-        model.init_weights()
-
-    def _materialize_from_whole(self, parts: list[KimiK3Model]) -> None:
-        if len(parts) == 1 and parts[0].is_first and parts[0].is_last:
-            self._materialize(parts[0])
-            return
-        whole = build_meta_model(self.args, DTYPES[self.cfg.model.dtype], freeze_indexer=self.cfg.model.freeze_indexer)
-        self._materialize(whole)
-        values = whole.state_dict()
-        for part in parts:
-            part.to_empty(device=self.device)
-            with torch.no_grad():
-                for name, tensor in part.state_dict().items():
-                    tensor.copy_(values[name])
-            for module in part.modules():
-                if hasattr(module, "tokens_per_expert"):
-                    module.tokens_per_expert.zero_()
-        del whole, values
 
     def _build_pipeline(self, parts: list[KimiK3Model], indices: list[int]):
         from titan_kimi.parallel.fsdp import replicated_parameters, set_summed_gradients
@@ -209,7 +184,7 @@ class Trainer:
             n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb, seq_len=cfg.training.seq_len)
         return PipelineRunner(schedule, stages, [m for _, m in modules])
 
-    def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True):
+    def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True, split: str = "train"):
         dataset = self.cfg.data.dataset
         if dataset == "medpix":
             raise ValueError(
@@ -220,16 +195,14 @@ class Trainer:
         return build_dataloader(
             dataset, path or None, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
             dp_rank=self.dp_rank, dp_world_size=self.dp, seed=seed,
-            shuffle=shuffle, infinite=infinite, vocab_size=self.args.vocab_size,
+            shuffle=shuffle, infinite=infinite, vocab_size=self.args.vocab_size, split=split,
         )
 
     def _build_validation_loader(self):
         """One pass over the validation data per ``iter()``; built once (tokenising is the expensive part)."""
-        data = self.cfg.data
-        if data.dataset != "synthetic" and not data.validation_path:
-            logger.warning("validation: no data.validation_path, validating on the training data's sample file")
-        return self._build_dataloader(data.validation_path or data.path, seed=self.cfg.job.seed + 1,
-                                      shuffle=False, infinite=False)
+        # data.validation_path = "" is the bundled sample's validation split (config rules require data.path = "").
+        return self._build_dataloader(self.cfg.data.validation_path, seed=self.cfg.job.seed + 1, shuffle=False,
+                                      infinite=False, split="validation")
 
     def _restore(self) -> None:
         """Resume from the latest (or ``checkpoint.load_step``) checkpoint; else start from
@@ -246,18 +219,19 @@ class Trainer:
 
     def _final_save(self) -> None:
         """The last step: the full training state, only the model (``last_save_model_only``), or an HF
-        safetensors export in ``export_dtype`` (``last_save_in_hf``)."""
+        safetensors export in ``export_dtype`` (``last_save_in_hf``). A last step that is also due as an
+        interval save is saved resumable as well, so that the run can be extended from it."""
         cfg = self.cfg.checkpoint
         if not cfg.enable:
             return
+        if self.checkpointer.should_save(self.step) or not (cfg.last_save_model_only or cfg.last_save_in_hf):
+            self.checkpointer.save(self.step, self.train_state, force=True)
+        elif not cfg.last_save_in_hf:
+            self.checkpointer.save(self.step, {"model": ModelState(self.model_parts)}, force=True)
         if cfg.last_save_in_hf:
             path = self.checkpointer.folder / f"hf-step-{self.step}"
             export_hf_checkpoint(self.model, path, dtype=DTYPES[cfg.export_dtype], overwrite=True)
             logger.info("exported HF safetensors to %s", path)
-        elif cfg.last_save_model_only:
-            self.checkpointer.save(self.step, {"model": ModelState(self.model_parts)}, force=True)
-        else:
-            self.checkpointer.save(self.step, self.train_state, force=True)
 
     # ------------------------------------------------------------------ one step
     def _forward_loss(self, batch: dict, normalizer: torch.Tensor) -> torch.Tensor:
@@ -307,7 +281,7 @@ class Trainer:
         lr = self.lr_scheduler.get_last_lr()[0]
         with warnings.catch_warnings():
             # A skipped step still advances the schedule; torch warns when no optimizer step preceded it.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         load = self.router_load.read_and_reset()
@@ -351,6 +325,7 @@ class Trainer:
         cfg = self.cfg
         gc.disable()
         data_iter = iter(self.dataloader)
+        stop = StopRequest(self.device).install()  # SIGTERM/SIGINT: finish the step, save, exit 128 + signal
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
@@ -361,11 +336,15 @@ class Trainer:
                 if cfg.validation.enable and self.step % cfg.validation.freq == 0:
                     self.validate()
                 if self.step < cfg.training.steps:
-                    self.checkpointer.save(self.step, self.train_state)
+                    saved = self.checkpointer.save(self.step, self.train_state)
+                    if signum := stop.agreed():
+                        raise stop_run(signum, self.step, cfg.training.steps, self.checkpointer, self.train_state,
+                                       saved=saved)
                 if self.step % cfg.training.gc_freq == 0:
                     gc.collect()
             self._final_save()
         finally:
+            stop.restore()
             gc.enable()
         logger.info(self.metrics.summary())
 
@@ -378,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_job_config(sys.argv[1:] if argv is None else argv)
     env = DistEnv.from_environ()
     setup_logging(env.rank)
+    if cfg.job.description:
+        logger.info("job: %s", cfg.job.description)
     args = model_args_from_config(cfg)
     world_size = cfg.job.world_size or env.world_size
     if not cfg.job.world_size and "WORLD_SIZE" not in os.environ:
@@ -392,15 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     reject_unbuilt(layout)
     if world_size != env.world_size:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
-    resolved = configure_backends({op: getattr(cfg.kernels, op) for op in
-                                   ("kda", "indexer", "sparse_mla", "situ_glu", "attn_res_mix")})
-    logger.info("kernels: %s", ", ".join(f"{k}={v}" for k, v in resolved.items()))
+    resolved = configure_kernels(cfg.kernels)
+    logger.info("kernels: %s", describe_kernels(resolved))
     trainer = Trainer(cfg, args, layout, env)
     try:
         if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
-            from lowerings.kernels.fla_kda import FLA_CONFIGS  # points FLA at shipped autotune configs
+            from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
 
-            logger.info(FLA_CONFIGS)
+            logger.info(prepare_fla_configs())
         trainer.train()
     finally:
         trainer.close()
@@ -409,4 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))

@@ -10,9 +10,23 @@ from __future__ import annotations
 import torch
 
 from lowerings.kernels.fla_config_cache import use_shipped_fla_configs
+from lowerings.settings import kernel_settings
 
-FLA_CONFIGS = use_shipped_fla_configs()  # before any fla import: FLA reads FLA_CACHE_MODE when imported
 CHUNK = 64
+_fla_configs: str | None = None
+
+
+def prepare_fla_configs() -> str:
+    """Apply ``kernels.fla_configs`` once, before anything imports ``fla`` (FLA reads FLA_CACHE_MODE at import):
+    ``shipped`` points FLA at the configs tuned for this GPU, ``autotune`` leaves FLA to tune. Returns a
+    one-line description for the log; the train entry point calls it, and the first FLA call otherwise."""
+    global _fla_configs
+    if _fla_configs is None:
+        if kernel_settings().fla_configs == "shipped":
+            _fla_configs = use_shipped_fla_configs()
+        else:
+            _fla_configs = "fla configs: none (kernels.fla_configs = autotune), FLA autotunes"
+    return _fla_configs
 
 
 def _chunk_indices(cu_seqlens: torch.Tensor | None):
@@ -40,6 +54,7 @@ def residual_shapes(q: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]
 
 def fla_kda_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state,
                     output_final_state, l2norm_qk):
+    prepare_fla_configs()
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
@@ -65,6 +80,7 @@ def fla_kda_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seq
 
 def fla_kda_backward(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens,
                      initial_state, output_final_state, l2norm_qk, residuals):
+    prepare_fla_configs()
     from fla.modules.norm.l2norm import l2norm_bwd
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowerings.settings import kernel_settings
+
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
@@ -18,8 +20,9 @@ def interpreting() -> bool:
 
 
 def autotune_enabled(t: torch.Tensor) -> bool:
-    """Autotune only on a real GPU: the CPU interpreter has no driver to benchmark with."""
-    return t.is_cuda and not interpreting() and os.environ.get("TITAN_KIMI_TRITON_AUTOTUNE", "1") != "0"
+    """Autotune only on a real GPU (the CPU interpreter has no driver to benchmark with), and only while the
+    ``kernels.triton_autotune`` setting is on (lowerings/settings.py)."""
+    return t.is_cuda and not interpreting() and kernel_settings().triton_autotune
 
 
 @triton.jit

@@ -294,7 +294,7 @@ def sparse_mla_backward(
 
     `workspace_bytes` caps the P/dS workspace (tokens are processed in chunks). `dq_config`
     (BLOCK_H, BLOCK_N, num_warps, num_stages) and `dkv_config` (BLOCK_N, BLOCK_D, num_warps, num_stages)
-    pin configs and bypass autotuning, as does TITAN_KIMI_TRITON_AUTOTUNE=0 (defaults then)."""
+    pin configs and bypass autotuning, as does kernels.triton_autotune = false (defaults then)."""
     check_sparse_mla_inputs(q, kv, idx, d_v)
     T, H, D = q.shape
     if out.shape != (T, H, d_v) or dout.shape != (T, H, d_v):

@@ -282,7 +282,7 @@ def sparse_mla_forward(
     Without `config`, on Hopper at K3 sizes (Dqk 576, d_v 512, bf16/fp16) the warp-specialized Gluon kernel
     runs (sparse_mla_fwd_ws; `ws_forward_reason` says why not elsewhere); otherwise the heads run as `fwd_plan`
     says. `config` (keys BLOCK_H, BLOCK_N, KEYS_MAJOR, num_warps, num_stages) pins one config for all heads in
-    one launch of the Triton kernel and bypasses the autotuner; TITAN_KIMI_TRITON_AUTOTUNE=0 bypasses it too
+    one launch of the Triton kernel and bypasses the autotuner; kernels.triton_autotune = false bypasses it too
     (the plan's pinned configs, else `default_fwd_config`)."""
     check_sparse_mla_inputs(q, kv, idx, d_v)
     q = q if q.stride(-1) == 1 else q.contiguous()

@@ -37,8 +37,6 @@ kernel: 261 / 215.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -50,7 +48,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["ws_forward_unsupported", "sparse_mla_forward_ws", "WS_CONFIG", "WS_ENV"]
+from lowerings.settings import kernel_settings
+
+__all__ = ["ws_forward_unsupported", "sparse_mla_forward_ws", "WS_CONFIG", "WS_SETTING"]
 
 D_NOPE = gl.constexpr(512)  # value / latent columns
 D_ROPE = gl.constexpr(64)  # rope columns (score only)
@@ -60,7 +60,7 @@ D_HALF = gl.constexpr(256)  # output columns per consumer warpgroup
 # BN keys per block, CW columns per cp.async tile; consumers at 232 registers each leave the producer 40 (232 vs
 # 240: 334-349 vs 335-338 TFLOP/s at 96 heads on the H200).
 WS_CONFIG = dict(BN=64, CW=64, CONSUMER_REGS=232, num_warps=4)
-WS_ENV = "TITAN_KIMI_SPARSE_MLA_WS"  # "0" keeps the Triton-language forward on Hopper too
+WS_SETTING = "kernels.sparse_mla_ws"  # false keeps the Triton-language forward on Hopper too (lowerings/settings.py)
 
 
 @gluon.jit
@@ -264,8 +264,8 @@ def _sparse_mla_fwd_ws_kernel(
 
 def ws_forward_unsupported(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> str | None:
     """Why the Gluon kernel cannot run this call (None: it can). The caller falls back to the Triton kernel."""
-    if os.environ.get(WS_ENV, "1") == "0":
-        return f"{WS_ENV}=0"
+    if not kernel_settings().sparse_mla_ws:
+        return f"{WS_SETTING} = false"
     if not q.is_cuda:
         return "not on CUDA"
     if torch.cuda.get_device_capability(q.device) != (9, 0):

@@ -6,7 +6,7 @@ import torch
 
 from lowerings.ops.registry import cuda_available, not_built, op_backends, selected_backend
 
-BACKENDS = op_backends("indexer")
+BACKENDS = op_backends("indexer_topk")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
 BACKENDS.add("cudnn", not_built("the cuDNN frontend DSA indexer backend"))
 
@@ -59,7 +59,7 @@ def indexer_topk_reference(
 def indexer_topk_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float
 ) -> torch.Tensor:
-    if selected_backend("indexer") == "triton" and q.is_cuda:
+    if selected_backend("indexer_topk") == "triton" and q.is_cuda:
         from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
 
         return triton_indexer_topk(q, k, w, seg_start, topk, scale)

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping
 
+from lowerings.catalog import BACKEND_OPS
+
 logger = logging.getLogger(__name__)
 
 AvailabilityCheck = Callable[[], "str | None"]  # None when available, else the reason it is not
@@ -35,12 +37,15 @@ class OpBackends:
     selected: str = "reference"
 
     def add(self, name: str, check: AvailabilityCheck = always_available, *, auto_rank: int | None = None) -> None:
+        if name not in BACKEND_OPS[self.op].backends:  # the catalog is the one list the config is built from
+            raise ValueError(f"backend {name!r} of op {self.op!r} is not listed in lowerings/catalog.py; "
+                             f"listed: {list(BACKEND_OPS[self.op].backends)}")
         self.checks[name] = check
         if auto_rank is not None:
             self.auto_order.insert(min(auto_rank, len(self.auto_order)), name)
 
     def choices(self) -> list[str]:
-        return ["auto", *self.checks]
+        return ["auto", *BACKEND_OPS[self.op].backends]
 
     def resolve(self, name: str) -> str:
         """Return the concrete backend for ``name`` or raise ValueError saying why it cannot run here."""
@@ -61,6 +66,8 @@ _REGISTRY: dict[str, OpBackends] = {}
 
 
 def op_backends(op: str) -> OpBackends:
+    if op not in BACKEND_OPS:
+        raise ValueError(f"op {op!r} is not listed in lowerings/catalog.py; listed: {list(BACKEND_OPS)}")
     if op not in _REGISTRY:
         backends = OpBackends(op)
         backends.add("reference")

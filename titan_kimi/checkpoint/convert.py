@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -24,11 +25,18 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from titan_kimi.checkpoint.destinations import Destination
 from titan_kimi.checkpoint.hf_config import MXFP4_QUANTIZATION_CONFIG, hf_config, model_args_from_hf
 from titan_kimi.checkpoint.hf_export import dtype_name, hf_tensors_for
-from titan_kimi.checkpoint.hf_index import HFCheckpoint
+from titan_kimi.checkpoint.hf_index import CONFIG_FILE, HFCheckpoint
 from titan_kimi.checkpoint.hf_load import execute_reads, expected_hf_keys
 from titan_kimi.checkpoint.hf_plan import LoadPlan, Read, plan_load
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWriter
 from titan_kimi.checkpoint.manager import quiet_single_process
+from titan_kimi.checkpoint.model_identity import (
+    check_config_json,
+    check_model_args,
+    check_saved_keys,
+    read_model_args,
+    write_model_args,
+)
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
 from titan_kimi.models.kimi_k3.model import KimiK3Model
@@ -73,6 +81,16 @@ class _HFSourcePlanner(DefaultSavePlanner):
         return tensor
 
 
+def refuse_output_in_source(source: str | Path, out: str | Path) -> None:
+    """ValueError when the output is, contains or lies inside the source: ``--overwrite`` would delete what is
+    being read (dcp-to-hf CKPT CKPT --overwrite used to replace the DCP steps by their export)."""
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if src == dst or src.is_relative_to(dst) or dst.is_relative_to(src):
+        relation = "is" if src == dst else "contains" if src.is_relative_to(dst) else "lies inside"
+        raise ValueError(f"output {str(out)!r} {relation} the source {str(source)!r}; writing there would "
+                         f"destroy the checkpoint being read. Choose an output outside the source")
+
+
 def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
     if out.exists():
         if not overwrite:
@@ -92,6 +110,7 @@ def hf_to_dcp(
 ) -> Path:
     """Convert an HF folder (MXFP4 experts dequantised) into a model-only DCP checkpoint at ``out_path``."""
     out = Path(out_path)
+    refuse_output_in_source(hf_path, out)
     if out.exists() and not overwrite:
         raise ValueError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
     args = args if args is not None else model_args_from_hf(hf_path)
@@ -100,6 +119,10 @@ def hf_to_dcp(
     tmp = out.parent / f".{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with HFCheckpoint(hf_path) as ckpt:
+        config = ckpt.config()
+        if config is not None:
+            check_config_json(config, args, ckpt.path / CONFIG_FILE,
+                              remedy="Leave out --flavor / --hf-config: the folder's config.json gives the model.")
         plan = plan_load(ckpt, destinations, fp32_names=fp32, expected_keys=expected_hf_keys(args), strict=True)
         try:
             with quiet_single_process():
@@ -111,14 +134,26 @@ def hf_to_dcp(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+    write_model_args(tmp, args)
     _replace_dir(tmp, out, overwrite)
     return out
 
 
-def _dcp_model_metadata(dcp_path: Path, specs: dict[str, torch.Tensor]) -> dict[str, TensorStorageMetadata]:
+def _dcp_model_metadata(dcp_path: Path, specs: dict[str, torch.Tensor],
+                        args: KimiK3ModelArgs) -> dict[str, TensorStorageMetadata]:
     if not (dcp_path / ".metadata").is_file():
         raise ValueError(f"{str(dcp_path)!r} is not a DCP checkpoint folder (no .metadata); pass a step-N folder")
-    saved = FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
+    try:
+        saved = FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
+    except Exception as err:  # a damaged pickle raises anything from UnpicklingError to EOFError
+        raise ValueError(f"DCP metadata {dcp_path / '.metadata'} cannot be read ({type(err).__name__}: {err}); "
+                         f"the checkpoint is damaged") from None
+    remedy = "Pass the --flavor / --hf-config the checkpoint was trained with (or none: model_args.json decides)."
+    saved_args = read_model_args(dcp_path)
+    if saved_args is not None:
+        check_model_args(saved_args, args, f"DCP checkpoint {dcp_path}", remedy=remedy)
+    check_saved_keys((k[len(MODEL_KEY) + 1:] for k in saved if k.startswith(MODEL_KEY + ".")), args,
+                     f"DCP checkpoint {dcp_path}", remedy=remedy)
     found, errors = {}, []
     for fqn, spec in specs.items():
         meta = saved.get(f"{MODEL_KEY}.{fqn}")
@@ -141,7 +176,7 @@ def dcp_to_hf(
     dcp_path: str | Path,
     out_path: str | Path,
     *,
-    args: KimiK3ModelArgs,
+    args: KimiK3ModelArgs | None = None,
     dtype: torch.dtype = torch.bfloat16,
     fp32_params_dtype: torch.dtype | None = None,
     mxfp4_experts: bool = False,
@@ -150,11 +185,20 @@ def dcp_to_hf(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """Export the model entry of a DCP checkpoint (training or converted) as an HF folder at ``out_path``."""
+    """Export the model entry of a DCP checkpoint (training or converted) as an HF folder at ``out_path``.
+
+    ``args`` default to the ones saved with the checkpoint (``model_args.json``); given ones must match them.
+    """
     dcp_path = Path(dcp_path)
+    if args is None:
+        args = read_model_args(dcp_path)
+        if args is None:
+            raise ValueError(f"DCP checkpoint {dcp_path} has no model_args.json (saved by an older titan_kimi): "
+                             f"pass the model args (--flavor NAME or --hf-config PATH/config.json)")
     label = dtype_name(dtype)
+    refuse_output_in_source(dcp_path, out_path)
     specs, fp32 = model_tensor_specs(args, dtype)
-    saved = _dcp_model_metadata(dcp_path, specs)
+    saved = _dcp_model_metadata(dcp_path, specs, args)
     with HFShardWriter(out_path, max_shard_bytes=max_shard_bytes, overwrite=overwrite) as writer:
         batch: dict[str, torch.Tensor] = {}
         batch_bytes, done = 0, 0
@@ -163,8 +207,12 @@ def dcp_to_hf(
             nonlocal batch, batch_bytes, done
             if not batch:
                 return
-            with quiet_single_process():
-                dcp.load({MODEL_KEY: batch}, checkpoint_id=str(dcp_path))
+            try:
+                with quiet_single_process():
+                    dcp.load({MODEL_KEY: batch}, checkpoint_id=str(dcp_path))
+            except CheckpointException as err:  # a BaseException: the script's exit-2 path needs a ValueError
+                raise ValueError(
+                    f"reading DCP checkpoint {dcp_path} failed (damaged or missing files?):\n{err}") from None
             for fqn, tensor in batch.items():
                 key_dtype = fp32_params_dtype if fp32_params_dtype is not None and fqn in fp32 else dtype
                 for key, value in hf_tensors_for(fqn, tensor, dtype=key_dtype, mxfp4_experts=mxfp4_experts):

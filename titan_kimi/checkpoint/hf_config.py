@@ -104,6 +104,13 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 
 def model_args_from_hf(path_or_config: str | Path | dict[str, Any], **overrides: Any) -> KimiK3ModelArgs:
-    """Model args from a checkpoint folder, a config.json path, or a config dict."""
-    config = path_or_config if isinstance(path_or_config, dict) else read_hf_config(path_or_config)
-    return KimiK3ModelArgs.from_hf_config(config, **overrides)
+    """Model args from a checkpoint folder, a config.json path, or a config dict; errors name the file."""
+    if isinstance(path_or_config, dict):
+        return KimiK3ModelArgs.from_hf_config(path_or_config, **overrides)
+    path = Path(path_or_config)
+    file = path / "config.json" if path.is_dir() else path
+    config = read_hf_config(file)
+    try:
+        return KimiK3ModelArgs.from_hf_config(config, **overrides)
+    except ValueError as err:
+        raise ValueError(f"{file}: {str(err).removeprefix('config.json: ')}") from None

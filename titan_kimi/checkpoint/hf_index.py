@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"  # the whole checkpoint when there is no index (the HF convention)
 CONFIG_FILE = "config.json"
 # safetensors dtype strings a floating model tensor can be converted from.
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
@@ -23,10 +24,16 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 SCALE_DTYPES = {"U8", "F8_E8M0"}
 
 
-class MissingShardFile(ValueError):
+class ShardFileError(ValueError):
+    """A shard file that cannot serve any of its keys (missing, truncated, damaged): reported once per file."""
+
     def __init__(self, message: str, key: str, file: str) -> None:
         super().__init__(message)
         self.key, self.file = key, file
+
+
+class MissingShardFile(ShardFileError):
+    pass
 
 
 @dataclass(frozen=True)
@@ -36,7 +43,7 @@ class TensorHeader:
 
 
 class HFCheckpoint:
-    """An HF safetensors folder: ``model.safetensors.index.json``'s ``weight_map``, or a header scan without one."""
+    """An HF safetensors folder: ``model.safetensors.index.json``'s ``weight_map``, or ``model.safetensors`` alone."""
 
     def __init__(self, path: str | Path, *, max_open_files: int = 2) -> None:
         self.path = Path(path)
@@ -67,16 +74,14 @@ class HFCheckpoint:
                         f"{index}: key {key!r} maps to {name!r}; a shard must be a file name in the folder"
                     )
             return dict(weight_map)
-        files = sorted(p.name for p in self.path.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"HF checkpoint {str(self.path)!r} has neither {INDEX_FILE} nor *.safetensors files")
-        weight_map: dict[str, str] = {}
-        for name in files:
-            for key in self._file_headers(name):
-                if key in weight_map:
-                    raise ValueError(f"HF checkpoint {self.path}: key {key!r} is in both {weight_map[key]} and {name}")
-                weight_map[key] = name
-        return weight_map
+        # Without an index the checkpoint is the one file HF names model.safetensors; other *.safetensors in
+        # the folder (a copy, an adapter, a second export) are not part of it.
+        if not (self.path / SINGLE_FILE).is_file():
+            others = sorted(p.name for p in self.path.glob("*.safetensors"))
+            found = (f"; it holds {others[:5]}{' ...' if len(others) > 5 else ''}, which need an index listing the "
+                     f"keys of each file (or rename a single-file checkpoint to {SINGLE_FILE})") if others else ""
+            raise ValueError(f"HF checkpoint {str(self.path)!r} has neither {INDEX_FILE} nor {SINGLE_FILE}{found}")
+        return {key: SINGLE_FILE for key in self._file_headers(SINGLE_FILE)}
 
     def keys(self) -> list[str]:
         return list(self._weight_map)
@@ -110,7 +115,9 @@ class HFCheckpoint:
                         sl = f.get_slice(key)
                         headers[key] = TensorHeader(sl.get_dtype(), tuple(sl.get_shape()))
             except Exception as err:  # safetensors raises its own error types for corrupt files
-                raise ValueError(f"HF checkpoint {self.path}: cannot read the header of {name}: {err}") from None
+                size = path.stat().st_size
+                raise ShardFileError(f"HF checkpoint {self.path}: cannot read the header of {name} ({size} bytes; "
+                                     f"truncated or damaged?): {err}", "", name) from None
             self._headers[name] = headers
         return self._headers[name]
 

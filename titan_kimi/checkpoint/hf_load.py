@@ -14,9 +14,10 @@ import torch
 import torch.nn as nn
 
 from titan_kimi.checkpoint.destinations import model_destinations
-from titan_kimi.checkpoint.hf_index import HFCheckpoint
+from titan_kimi.checkpoint.hf_index import CONFIG_FILE, HFCheckpoint
 from titan_kimi.checkpoint.hf_keys import hf_key_names
 from titan_kimi.checkpoint.hf_plan import MXFP4, Read, plan_load
+from titan_kimi.checkpoint.model_identity import check_config_json
 from titan_kimi.checkpoint.mxfp4 import GROUP, decode_mxfp4
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
@@ -54,15 +55,30 @@ def run_read(ckpt: HFCheckpoint, read: Read, local: torch.Tensor) -> None:
     view = local[read.dst]
     if read.kind != MXFP4:
         view.copy_(ckpt.read(read.keys[0], read.src))
+    else:
+        rows, cols = read.src
+        g0, g1 = cols.start // GROUP, -(-cols.stop // GROUP)
+        packed = ckpt.read(read.keys[0], (rows, slice(g0 * GROUP // 2, g1 * GROUP // 2)))
+        scale = ckpt.read(read.keys[1], (rows, slice(g0, g1)))
+        if cols.start == g0 * GROUP and cols.stop == g1 * GROUP:
+            decode_mxfp4(packed, scale, out=view)  # straight into the destination slice
+        else:  # a column shard that cuts a scale group: decode the covering groups, keep the owned columns
+            view.copy_(decode_mxfp4(packed, scale)[:, cols.start - g0 * GROUP : cols.stop - g0 * GROUP])
+    _check_finite(ckpt, read, view)
+
+
+def _check_finite(ckpt: HFCheckpoint, read: Read, view: torch.Tensor) -> None:
+    # Caught where it enters: a NaN weight would otherwise first show as "the loss is nan" at step 1.
+    finite = torch.isfinite(view)
+    if bool(finite.all()):
         return
-    rows, cols = read.src
-    g0, g1 = cols.start // GROUP, -(-cols.stop // GROUP)
-    packed = ckpt.read(read.keys[0], (rows, slice(g0 * GROUP // 2, g1 * GROUP // 2)))
-    scale = ckpt.read(read.keys[1], (rows, slice(g0, g1)))
-    if cols.start == g0 * GROUP and cols.stop == g1 * GROUP:
-        decode_mxfp4(packed, scale, out=view)  # straight into the destination slice
-    else:  # a column shard that cuts a scale group: decode the covering groups, keep the owned columns
-        view.copy_(decode_mxfp4(packed, scale)[:, cols.start - g0 * GROUP : cols.stop - g0 * GROUP])
+    bad = (~finite).nonzero()[0].tolist()
+    what = "MXFP4 pair (a scale of 255 decodes to NaN)" if read.kind == MXFP4 else "tensor"
+    raise ValueError(
+        f"HF checkpoint {ckpt.path}: {what} {read.keys[0]!r} in {read.file} holds {int((~finite).sum())} "
+        f"non-finite value(s), e.g. {view[tuple(bad)].item()} at index {bad} of the part read for model key "
+        f"{read.fqn!r}; the checkpoint is damaged (the load stopped with the model partly filled)"
+    )
 
 
 def execute_reads(
@@ -89,6 +105,7 @@ def load_hf_checkpoint(
     strict: bool = True,
     args: KimiK3ModelArgs | None = None,
     progress: Progress | None = None,
+    check_config: bool = True,
 ) -> LoadReport:
     """Fill ``model``'s own tensors in place from the HF safetensors folder ``path``.
 
@@ -97,6 +114,8 @@ def load_hf_checkpoint(
     Every needed key's presence, shape and dtype (and A_log's zero padding) is checked before anything is
     copied; on a problem a ValueError lists them and the model is unchanged. ``strict=False`` leaves model keys
     missing from the checkpoint untouched and ignores unexpected checkpoint keys (reported in the result).
+    The folder's config.json, when it has one, must describe the same model as ``args`` (``check_config``);
+    a non-finite value read stops the load naming its key and file.
     """
     args = args if args is not None else getattr(model, "args", None)
     if not isinstance(args, KimiK3ModelArgs):
@@ -105,6 +124,9 @@ def load_hf_checkpoint(
         )
     destinations = model_destinations(model, expert_range=expert_range, num_experts=args.num_experts)
     with HFCheckpoint(path) as ckpt:
+        config = ckpt.config()
+        if check_config and config is not None:
+            check_config_json(config, args, ckpt.path / CONFIG_FILE)
         plan = plan_load(
             ckpt, destinations,
             fp32_names=fp32_parameter_names(model), expected_keys=expected_hf_keys(args), strict=strict,

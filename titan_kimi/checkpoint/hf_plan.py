@@ -10,7 +10,7 @@ from typing import AbstractSet, Sequence
 import torch
 
 from titan_kimi.checkpoint.destinations import Destination
-from titan_kimi.checkpoint.hf_index import FLOAT_DTYPES, SCALE_DTYPES, HFCheckpoint, MissingShardFile
+from titan_kimi.checkpoint.hf_index import FLOAT_DTYPES, SCALE_DTYPES, HFCheckpoint, ShardFileError
 from titan_kimi.checkpoint.hf_keys import (
     A_LOG_PAD_MULTIPLE,
     PASSTHROUGH_PREFIXES,
@@ -84,8 +84,8 @@ class _Planner:
     def header(self, key: str):
         try:
             return self.ckpt.header(key)
-        except MissingShardFile as err:
-            # One message per missing file, not one per key; "" still marks this source as failed.
+        except ShardFileError as err:
+            # One message per missing or unreadable file, not one per key; "" still marks this source as failed.
             self.errors.append("" if err.file in self.missing_files else str(err))
             self.missing_files.add(err.file)
             return None

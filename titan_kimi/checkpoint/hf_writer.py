@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from titan_kimi.checkpoint.hf_index import INDEX_FILE
+from titan_kimi.checkpoint.storage_errors import describe_write_failure, is_out_of_space
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
@@ -74,7 +75,13 @@ class HFShardWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        save_file(self._pending, str(self.tmp / self._part_name(len(self._shards))), metadata={"format": "pt"})
+        try:
+            save_file(self._pending, str(self.tmp / self._part_name(len(self._shards))), metadata={"format": "pt"})
+        except Exception as err:  # safetensors reports a full disk as text inside its own error type
+            if not is_out_of_space(err):
+                raise
+            raise RuntimeError(f"HF export to {self.path} failed, nothing was replaced: "
+                               f"{describe_write_failure(err, self.tmp)}") from None
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 

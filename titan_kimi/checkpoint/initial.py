@@ -6,24 +6,35 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_kimi.checkpoint.dcp_states import ModelState
-from titan_kimi.checkpoint.hf_index import INDEX_FILE
+from titan_kimi.checkpoint.hf_index import INDEX_FILE, SINGLE_FILE
 from titan_kimi.checkpoint.hf_load import load_hf_checkpoint
+from titan_kimi.checkpoint.finite import check_finite_parameters
 from titan_kimi.checkpoint.manager import quiet_single_process
+from titan_kimi.checkpoint.model_identity import check_model_args, check_saved_keys, read_model_args
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+
+MODEL_PREFIX = "model."
 
 
 def checkpoint_format(path: str | Path) -> str:
-    """``"dcp"`` (a folder with DCP ``.metadata``) or ``"hf"`` (safetensors shards); ValueError otherwise."""
+    """``"dcp"`` (a folder with DCP ``.metadata``) or ``"hf"`` (an index or ``model.safetensors``); ValueError
+    otherwise."""
     path = Path(path)
     if (path / ".metadata").is_file():
         return "dcp"
-    if (path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")):
+    if (path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file():
         return "hf"
     steps = sorted(p.name for p in path.glob("step-*") if (p / ".metadata").is_file()) if path.is_dir() else []
     hint = f"; it holds DCP steps {steps}: pass one of them" if steps else ""
+    if not hint and any(path.glob("*.safetensors")):
+        hint = f"; its *.safetensors files need {INDEX_FILE} (or a single file named {SINGLE_FILE})"
     raise ValueError(
-        f"{str(path)!r} is neither a DCP checkpoint folder (with .metadata) nor an HF folder (*.safetensors){hint}"
+        f"{str(path)!r} is neither a DCP checkpoint folder (with .metadata) nor an HF folder ({INDEX_FILE} "
+        f"or {SINGLE_FILE}){hint}"
     )
 
 
@@ -42,6 +53,32 @@ def load_model_weights(
             raise ValueError(
                 "expert_range applies to HF loads; a DCP load reshards DTensor experts by their placements"
             )
-        with quiet_single_process():
-            dcp.load({"model": ModelState(model)}, checkpoint_id=str(path))
+        _check_dcp_model(model, Path(path))
+        try:
+            with quiet_single_process():
+                dcp.load({"model": ModelState(model)}, checkpoint_id=str(path))
+        except CheckpointException as err:
+            raise ValueError(f"loading the model from DCP checkpoint {path} failed (damaged files?):\n{err}") from None
+        check_finite_parameters(model, str(path))
     return fmt
+
+
+def _check_dcp_model(model: nn.Module, path: Path) -> None:
+    try:
+        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as err:  # a damaged pickle raises anything from UnpicklingError to EOFError
+        raise ValueError(f"DCP metadata {path / '.metadata'} cannot be read ({type(err).__name__}: {err}); "
+                         f"the checkpoint is damaged") from None
+    remedy = ("Build the model the checkpoint was saved from (model.flavor / model.hf_config_path), or pass a "
+              "checkpoint of this model.")
+    args = getattr(model, "args", None)
+    if isinstance(args, KimiK3ModelArgs):
+        saved_args = read_model_args(path)
+        if saved_args is not None:
+            check_model_args(saved_args, args, f"DCP checkpoint {path}", remedy=remedy)
+        check_saved_keys((k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX)), args,
+                         f"DCP checkpoint {path}", remedy=remedy)
+    missing = sorted(k for k in ModelState(model).state_dict() if MODEL_PREFIX + k not in saved)
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"DCP checkpoint {path} lacks {len(missing)} key(s) of this model: {shown}.\n{remedy}")

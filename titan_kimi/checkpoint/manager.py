@@ -1,9 +1,14 @@
 """DCP save/resume for training: ``<dump_folder>/<folder>/step-N/``, atomic, pruned, optionally asynchronous.
 
-A save writes ``step-N.tmp/`` and renames it to ``step-N/`` only once every rank's data and the metadata are
-written; only then are older steps pruned. A crash mid-save leaves the previous steps untouched and a
-``.tmp`` folder that loading ignores and the next save deletes. Works without a process group (one CPU
-process) and under torchrun.
+A save writes ``step-N.tmp/`` and renames it to ``step-N/`` only once every rank's data, the metadata and the
+model args (``model_args.json``) are written; only then are older steps pruned. A crash mid-save leaves the
+previous steps untouched and a ``.tmp`` folder that loading ignores and the next save deletes. A save is
+never skipped: a step folder already on disk (incomplete, model-only, or from an older run) is replaced
+atomically. Loading checks the saved model args and keys against the model, and resumes from the newest step
+that holds everything asked for (a model-only final save is not resumable). Steps newer than the one a run
+resumed from belong to the timeline it left: its first save moves them aside (``step-N.superseded-<time>``,
+never deleted) so that no later resume picks them up. Works without a process group (one CPU process) and
+under torchrun.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -25,14 +31,21 @@ import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RNGState, global_rank
+from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RankLocal, RNGState, global_rank
+from titan_kimi.checkpoint.finite import check_finite_parameters
+from titan_kimi.checkpoint.model_identity import check_model_args, check_saved_keys, read_model_args, write_model_args
+from titan_kimi.checkpoint.storage_errors import describe_write_failure
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 
 logger = logging.getLogger("titan_kimi")
 
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_SUFFIX = ".tmp"
+_REPLACED_SUFFIX = ".replaced"  # a step folder being replaced by a new save of the same step
 _METADATA = ".metadata"
+_REMEDY = ("Resume with the model the checkpoint was saved from (model.flavor / model.hf_config_path), or point "
+           "checkpoint.folder (or job.dump_folder) elsewhere to start a new run.")
 
 
 def _distributed() -> bool:
@@ -67,6 +80,33 @@ def _prepare_state(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _model_args(state: dict[str, Any]) -> KimiK3ModelArgs | None:
+    """The args of the Kimi model in a prepared state (stages carry the full model's args)."""
+    for value in state.values():
+        if isinstance(value, ModelState):
+            args = getattr(value.parts[0], "args", None)
+            if isinstance(args, KimiK3ModelArgs):
+                return args
+    return None
+
+
+def _check_rank_entry(name: str, saved_keys: Any, path: Path) -> None:
+    """Per-rank entries (data position, RNG) exist for the ranks that saved them only."""
+    rank = global_rank()
+    ranks = sorted({int(m.group(1)) for k in saved_keys if (m := re.match(rf"{re.escape(name)}\.rank_(\d+)\.", k))})
+    if rank not in ranks:
+        raise ValueError(
+            f"checkpoint {path} holds the per-rank {name!r} state of ranks {ranks}, not of rank {rank}: it was saved "
+            f"by {len(ranks)} rank(s); resume it with the same number of data-parallel ranks (or start a new run "
+            f"from its weights with checkpoint.initial_load_path = {str(path)!r})"
+        )
+
+
+def _entries(saved_keys: Any) -> set[str]:
+    """Top-level entries (model, optimizer, dataloader, ...) of a step's flattened DCP keys."""
+    return {key.split(".", 1)[0] for key in saved_keys}
+
+
 class CheckpointManager:
     """Save every ``interval`` steps (or when forced), keep the newest ``keep_latest_k`` (0 = all), resume from
     ``load_step`` (-1 = the latest complete step).
@@ -96,7 +136,8 @@ class CheckpointManager:
         self.folder = Path(folder)
         self.enable, self.interval, self.keep_latest_k = enable, interval, keep_latest_k
         self.async_mode, self.load_step = async_mode, load_step
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future, KimiK3ModelArgs | None] | None = None
+        self._resumed_from: int | None = None  # the step a load restored; newer steps are superseded on save
         self._stager = None
         # Background saves and barriers run on a CPU (gloo) group, as NCCL collectives cannot run off-stream.
         self._cpu_group = None
@@ -146,21 +187,22 @@ class CheckpointManager:
         if not self.should_save(step, force=force):
             return False
         self.wait()  # the previous async save must be complete (and renamed) before the next one
-        if self.step_dir(step).exists():
-            return False
         state = _prepare_state(state)
+        args = _model_args(state)
         tmp = self.folder / f"step-{step}{_TMP_SUFFIX}"
         if global_rank() == 0:
-            self._remove_stale_tmp()
+            self._recover()
+            self._supersede_newer_steps()
             tmp.mkdir(parents=True)
+        self._resumed_from = None
         self._barrier()
         if self.async_mode == "disabled":
             try:
                 with quiet_single_process():
                     dcp.save(state, checkpoint_id=str(tmp))
-            except CheckpointException as err:  # a BaseException in DCP: surface it as an ordinary error
+            except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
                 raise RuntimeError(self._failed(step, "save", err)) from None
-            self._finalize(step)
+            self._finalize(step, args)
             return True
         with quiet_single_process():
             response = dcp.async_save(
@@ -170,31 +212,45 @@ class CheckpointManager:
         staging = getattr(response, "staging_completion", None)
         if staging is not None:
             staging.result()  # the state is copied: training may change it again
-        self._pending = (step, upload)
+        self._pending = (step, upload, args)
         return True
 
     def wait(self) -> None:
         """Finish an in-flight async save: wait for it, then rename and prune. Raises if it failed."""
         if self._pending is None:
             return
-        step, future = self._pending
+        step, future, args = self._pending
         self._pending = None
         try:
             with quiet_single_process():
                 future.result()
         except (Exception, CheckpointException) as err:
             raise RuntimeError(self._failed(step, "async save", err)) from None
-        self._finalize(step)
+        self._finalize(step, args)
 
     def _failed(self, step: int, what: str, err: BaseException) -> str:
         return (
             f"checkpoint {what} of step {step} failed; the previous checkpoints {self.steps()} are intact and "
-            f"{self.folder / f'step-{step}{_TMP_SUFFIX}'} will be removed by the next save. Cause:\n{err}"
+            f"{self.folder / f'step-{step}{_TMP_SUFFIX}'} will be removed by the next save. Cause:\n"
+            f"{describe_write_failure(err, self.folder)}"
         )
 
-    def _finalize(self, step: int) -> None:
+    def _finalize(self, step: int, args: KimiK3ModelArgs | None) -> None:
         if global_rank() == 0:
-            os.replace(self.folder / f"step-{step}{_TMP_SUFFIX}", self.step_dir(step))  # the commit point
+            tmp, final = self.folder / f"step-{step}{_TMP_SUFFIX}", self.step_dir(step)
+            try:
+                if args is not None:
+                    write_model_args(tmp, args)
+            except OSError as err:
+                raise RuntimeError(self._failed(step, "save", err)) from None
+            if final.exists():  # incomplete, model-only or superseded: replaced, never skipped
+                aside = self.folder / f"step-{step}{_REPLACED_SUFFIX}"
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                os.replace(tmp, final)  # the commit point
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(tmp, final)  # the commit point
             self._prune()
         self._barrier()
 
@@ -204,11 +260,35 @@ class CheckpointManager:
         for old in self.steps()[: -self.keep_latest_k]:
             shutil.rmtree(self.step_dir(old), ignore_errors=True)
 
-    def _remove_stale_tmp(self) -> None:
-        if self.folder.is_dir():
-            for entry in self.folder.iterdir():
-                if entry.is_dir() and entry.name.startswith("step-") and entry.name.endswith(_TMP_SUFFIX):
+    def _recover(self) -> None:
+        """Rank 0: delete the ``.tmp`` folders of interrupted saves; put back a step whose replacement was
+        interrupted between its two renames (the new save never committed)."""
+        if not self.folder.is_dir():
+            return
+        for entry in self.folder.iterdir():
+            if not (entry.is_dir() and entry.name.startswith("step-")):
+                continue
+            if entry.name.endswith(_TMP_SUFFIX):
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.name.endswith(_REPLACED_SUFFIX):
+                original = self.folder / entry.name[: -len(_REPLACED_SUFFIX)]
+                if not original.exists() and (entry / _METADATA).is_file():
+                    os.replace(entry, original)
+                else:
                     shutil.rmtree(entry, ignore_errors=True)
+
+    def _supersede_newer_steps(self) -> None:
+        """Rank 0, at the first save after resuming from step S: steps newer than S are another timeline."""
+        if self._resumed_from is None:
+            return
+        newer = [s for s in self.steps() if s > self._resumed_from]
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for s in newer:
+            os.replace(self.step_dir(s), self.folder / f"step-{s}.superseded-{stamp}")
+        if newer:
+            logger.warning("checkpoint: steps %s are newer than step %d this run resumed from; moved aside as "
+                           "step-N.superseded-%s (not deleted) so no later resume loads them", newer,
+                           self._resumed_from, stamp)
 
     def _async_stager(self) -> Any:
         if self.async_mode != "async_with_pinned_mem":
@@ -222,31 +302,45 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ load
     def load(self, state: dict[str, Any], step: int | None = None) -> int | None:
-        """Restore ``state`` in place from ``step`` (default ``load_step``; -1 = the latest complete step).
+        """Restore ``state`` in place from ``step`` (default ``load_step``; -1 = the latest step that holds
+        every entry of ``state``).
 
         Returns the step loaded, or None when checkpointing is disabled or there is nothing to resume from
         (with ``step=-1``). Only the entries named in ``state`` are read (e.g. ``{"model": model}`` alone).
+        The saved model args and keys must match the model's; a ValueError names what differs.
         """
         if not self.enable:
             return None
         self.wait()
+        if global_rank() == 0:
+            self._recover()
+        self._barrier()
         step = self.load_step if step is None else step
+        state = _prepare_state(state)
         steps = self.steps()
         if step == -1:
             if not steps:
                 return None
-            step = steps[-1]
+            step = self._latest_holding(steps, set(state))
         elif step not in steps:
             raise ValueError(f"no complete checkpoint step-{step} in {self.folder}; available steps: {steps}")
-        state = _prepare_state(state)
         path = self.step_dir(step)
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = self._saved_keys(step, steps)
         for name in [n for n, v in state.items() if isinstance(v, RNGState)]:
             if not any(k.startswith(f"{name}.rank_{global_rank()}.") for k in saved):
                 # Saved by fewer ranks (another layout): this rank's streams restart from the run's seed.
                 logger.warning("checkpoint %s holds no RNG state for rank %d (saved under another layout); "
                                "its random streams continue from the seed", path, global_rank())
                 state = {k: v for k, v in state.items() if k != name}
+        missing_entries = sorted(set(state) - _entries(saved))
+        if missing_entries:
+            raise ValueError(
+                f"checkpoint {path} holds only {sorted(_entries(saved))}, not {missing_entries} (a model-only "
+                f"save is not resumable); resumable steps: {self._resumable(steps, set(state))}. Pass "
+                f"checkpoint.load_step = one of them, or start a new run from its weights with "
+                f"checkpoint.initial_load_path = {str(path)!r} and another checkpoint.folder"
+            )
+        self._check_model(state, saved, path)
         optimizers = {name: v for name, v in state.items() if isinstance(v, OptimizerState)}
         for name, value in optimizers.items():
             value.restrict_to({k[len(name) + 1 :] for k in saved if k.startswith(name + ".")})
@@ -254,11 +348,66 @@ class CheckpointManager:
             with quiet_single_process():
                 dcp.load(state, checkpoint_id=str(path))
         except CheckpointException as err:
-            raise RuntimeError(f"loading checkpoint {path} failed:\n{err}") from None
+            raise ValueError(f"loading checkpoint {path} failed (damaged or incomplete files?):\n{err}") from None
         finally:
             for value in optimizers.values():
                 value.restrict_to(None)  # later saves write the full state
+        for value in state.values():
+            if isinstance(value, ModelState):
+                for part in value.parts:
+                    check_finite_parameters(part, f"checkpoint {path}")
+        self._resumed_from = step if step != steps[-1] else None
         return step
+
+    def _saved_keys(self, step: int, steps: list[int]) -> Any:
+        path = self.step_dir(step)
+        try:
+            return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as err:  # a damaged pickle raises anything from UnpicklingError to EOFError
+            others = [s for s in steps if s != step]
+            raise ValueError(
+                f"checkpoint metadata {path / _METADATA} cannot be read ({type(err).__name__}: {err}); the step "
+                f"is damaged. Move it away, or pass checkpoint.load_step = one of the other steps {others}"
+            ) from None
+
+    def _latest_holding(self, steps: list[int], names: set[str]) -> int:
+        """The newest step holding every entry in ``names``; says so when it is not the newest step."""
+        for step in reversed(steps):
+            if names <= _entries(self._saved_keys(step, steps)):
+                if step != steps[-1]:
+                    logger.warning("checkpoint: resuming from step %d, the newest step holding %s; newer steps %s "
+                                   "hold only part of it (model-only saves)", step, sorted(names),
+                                   [s for s in steps if s > step])
+                return step
+        raise ValueError(
+            f"no checkpoint in {self.folder} can be resumed: steps {steps} hold only the model (model-only "
+            f"saves: checkpoint.last_save_model_only), and resuming needs {sorted(names)}. To continue from the "
+            f"weights, pass checkpoint.initial_load_path = {str(self.step_dir(steps[-1]))!r} with another "
+            f"checkpoint.folder"
+        )
+
+    def _resumable(self, steps: list[int], names: set[str]) -> list[int]:
+        return [s for s in steps if names <= _entries(self._saved_keys(s, steps))]
+
+    def _check_model(self, state: dict[str, Any], saved: Any, path: Path) -> None:
+        """The saved model args and keys against the model being loaded into (named entries of ModelState)."""
+        args = _model_args(state)
+        for name, value in state.items():
+            if isinstance(value, RankLocal):
+                _check_rank_entry(name, saved, path)
+            if not isinstance(value, ModelState):
+                continue
+            prefix = name + "."
+            if args is not None:
+                saved_args = read_model_args(path)
+                if saved_args is not None:
+                    check_model_args(saved_args, args, f"checkpoint {path}", remedy=_REMEDY)
+                check_saved_keys((k[len(prefix):] for k in saved if k.startswith(prefix)), args,
+                                 f"checkpoint {path}", remedy=_REMEDY)
+            missing = sorted(k for k in value.state_dict() if prefix + k not in saved)
+            if missing:
+                shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+                raise ValueError(f"checkpoint {path} lacks {len(missing)} key(s) of this model: {shown}.\n{_REMEDY}")
 
     def close(self) -> None:
         """Finish any in-flight save and release staging buffers."""

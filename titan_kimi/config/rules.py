@@ -13,6 +13,7 @@ SourceOf = Callable[[str], str]
 Rule = Callable[[JobConfig, SourceOf], None]
 
 _WIDTH = {"bfloat16": 16, "float32": 32}
+_CHECKPOINT_MARKERS = (".metadata", "model.safetensors.index.json", "model.safetensors")
 _PATH_KINDS = {"file": ("an existing file", Path.is_file), "dir": ("an existing folder", Path.is_dir),
                "any": ("an existing file or folder", Path.exists)}
 
@@ -98,6 +99,20 @@ def mixed_precision_only_lowers(cfg: JobConfig, source_of: SourceOf) -> None:
                       f"{cfg.model.dtype}, or model.dtype = \"float32\"")
 
 
+def checkpoint_keys_need_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
+    """Keys that act only when checkpointing is on would otherwise be accepted and do nothing."""
+    c = cfg.checkpoint
+    if c.enable:
+        return
+    enable = _other(cfg, "checkpoint.enable", source_of)
+    if c.load_step != -1:
+        raise _reject(cfg, "checkpoint.load_step", source_of, f"nothing is resumed with {enable}",
+                      "-1, or checkpoint.enable = true")
+    if c.last_save_in_hf:
+        raise _reject(cfg, "checkpoint.last_save_in_hf", source_of, f"nothing is saved with {enable}",
+                      "false, or checkpoint.enable = true")
+
+
 def hf_save_is_model_only(cfg: JobConfig, source_of: SourceOf) -> None:
     if cfg.checkpoint.last_save_in_hf and not cfg.checkpoint.last_save_model_only:
         raise _reject(cfg, "checkpoint.last_save_model_only", source_of,
@@ -118,9 +133,29 @@ def synthetic_data_takes_no_files(cfg: JobConfig, source_of: SourceOf) -> None:
                       f"\"the whole validation set\" never ends with {dataset}", "an integer >= 1")
 
 
+def validation_has_data(cfg: JobConfig, source_of: SourceOf) -> None:
+    d = cfg.data
+    if cfg.validation.enable and d.dataset != "synthetic" and d.path and not d.validation_path:
+        raise _reject(cfg, "data.validation_path", source_of,
+                      f"\"\" is the bundled sample's validation split, but the training data is "
+                      f"{_other(cfg, 'data.path', source_of)}",
+                      f"a validation file for that data (or validation.enable = false)")
+
+
+def optimizer_implementation_fits(cfg: JobConfig, source_of: SourceOf) -> None:
+    o = cfg.optimizer
+    if o.implementation != "auto" and o.state_dtype != cfg.model.dtype:
+        raise _reject(cfg, "optimizer.implementation", source_of,
+                      f"torch's {o.implementation} Adam keeps the moments in the parameter dtype "
+                      f"({_other(cfg, 'model.dtype', source_of)}), so it cannot keep "
+                      f"{_other(cfg, 'optimizer.state_dtype', source_of)}",
+                      "\"auto\" (then titan_kimi's Adam keeps the moments in state_dtype), or optimizer.state_dtype "
+                      "equal to model.dtype")
+
+
 def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
-    wanted = (("model.hf_config_path", "file"), ("model.tokenizer_path", "any"), ("data.path", "any"),
-              ("data.validation_path", "any"), ("checkpoint.initial_load_path", "dir"))
+    wanted = (("model.hf_config_path", "file"), ("model.tokenizer_path", "dir"), ("data.path", "file"),
+              ("data.validation_path", "file"), ("checkpoint.initial_load_path", "dir"))
     for key, kind in wanted:
         value = _get(cfg, key)
         description, is_right_kind = _PATH_KINDS[kind]
@@ -130,12 +165,41 @@ def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
                        else "no such file or folder")
             raise _reject(cfg, key, source_of, problem, f"{description}, or \"\" for the default")
     c = cfg.checkpoint
+    _is_a_checkpoint(cfg, source_of)
     is_safetensors = c.initial_load_path and any(Path(c.initial_load_path).glob("*.safetensors"))
     if is_safetensors and not c.initial_load_model_only:
         raise _reject(cfg, "checkpoint.initial_load_model_only", source_of,
                       f"safetensors hold no optimizer state, and "
                       f"{_other(cfg, 'checkpoint.initial_load_path', source_of)} is a safetensors folder",
-                      "true for a safetensors folder (false only for a DCP step folder)")
+                      "true")
+    if c.initial_load_path and not c.initial_load_model_only:  # it was accepted and ignored
+        raise _reject(cfg, "checkpoint.initial_load_model_only", source_of,
+                      "loading the optimizer, schedule and data state from checkpoint.initial_load_path is not "
+                      "built (only the model weights are read)", "true",
+                      "To continue a run with its optimizer state, resume it: checkpoint.enable with that run's "
+                      "job.dump_folder and checkpoint.folder (checkpoint.load_step picks the step)")
+
+
+def output_folders_can_be_created(cfg: JobConfig, source_of: SourceOf) -> None:
+    """job.dump_folder and the checkpoint folder under it: folders, or creatable (no file on their path)."""
+    dump = Path(cfg.job.dump_folder)
+    for key, path in (("job.dump_folder", dump), ("checkpoint.folder", dump / cfg.checkpoint.folder)):
+        existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+        if existing.exists() and not existing.is_dir():
+            where = "is a file" if existing == path else f"cannot be created: {str(existing)!r} is a file"
+            raise _reject(cfg, key, source_of, where, "a folder, or a path where one can be created")
+
+
+def _is_a_checkpoint(cfg: JobConfig, source_of: SourceOf) -> None:
+    # The file names of checkpoint/initial.py's format check (a DCP step, or an HF index or model.safetensors).
+    folder = cfg.checkpoint.initial_load_path
+    if not folder or any((Path(folder) / name).is_file() for name in _CHECKPOINT_MARKERS):
+        return
+    steps = sorted(p.name for p in Path(folder).glob("step-*") if (p / ".metadata").is_file())
+    hint = f"it holds the DCP steps {steps}: name one of them" if steps else None
+    raise _reject(cfg, "checkpoint.initial_load_path", source_of,
+                  "is neither a DCP checkpoint step (no .metadata) nor an HF folder (no model.safetensors.index.json "
+                  "or model.safetensors)", "a DCP step-N folder or an HF safetensors folder", hint)
 
 
 RULES: tuple[Rule, ...] = (
@@ -146,8 +210,12 @@ RULES: tuple[Rule, ...] = (
     batch_shapes_divide,
     mixed_precision_only_lowers,
     hf_save_is_model_only,
+    checkpoint_keys_need_checkpointing,
     synthetic_data_takes_no_files,
     input_paths_exist,
+    output_folders_can_be_created,
+    validation_has_data,
+    optimizer_implementation_fits,
 )
 
 

@@ -5,8 +5,10 @@ Names follow torchtitan 0.2.2 where a torchtitan concept exists, so recipes read
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
+from lowerings.catalog import BACKEND_OPS
+from lowerings.settings import FLA_CONFIG_CHOICES, KernelSettings
 from titan_kimi.config.options import above, at_least, between, option
 
 DTYPES = ("bfloat16", "float32")
@@ -36,7 +38,8 @@ class Model:
         "k31_debug", "model size/variant from the flavor registry (k3_* text, k31_* with the indexer)",
         nonempty=True)
     hf_config_path: str = option("", "checkpoint config.json to build model args from; \"\" = use the flavor")
-    tokenizer_path: str = option("", "tiktoken tokenizer file or folder; \"\" = the bundled tokenizer")
+    tokenizer_path: str = option(
+        "", "tokenizer folder (tiktoken.model + tokenizer_config.json); \"\" = the bundled tokenizer")
     dtype: str = option("bfloat16", "dtype the model parameters are kept in", choices=DTYPES)
     freeze_indexer: bool = option(
         True, "keep the K3.1 indexer frozen (top-k selection gives it no LM-loss gradient)")
@@ -75,7 +78,8 @@ class Optimizer:
     eps: float = option(1e-8, "Adam epsilon", bounds=above(0))
     weight_decay: float = option(0.1, "weight decay (decoupled for AdamW, L2 for Adam)", bounds=at_least(0))
     implementation: str = option(
-        "auto", "torch optimizer implementation; auto = fused where the device supports it",
+        "auto", "torch's Adam implementation (needs optimizer.state_dtype = model.dtype); auto = fused where the "
+        "device supports it, or titan_kimi's Adam when the moment dtype differs from the parameters'",
         choices=("auto", "fused", "foreach", "for-loop"))
     state_dtype: str = option("float32", "dtype of the Adam moments", choices=DTYPES)
 
@@ -141,7 +145,8 @@ class Checkpoint:
     initial_load_path: str = option(
         "", "weights to start from: an HF safetensors folder or a DCP step folder; \"\" = random init")
     initial_load_model_only: bool = option(
-        True, "load only the model weights from initial_load_path (required for safetensors)")
+        True, "load only the model weights from initial_load_path; only true is built (resume a run to continue "
+        "its optimizer state)")
     load_step: int = option(-1, "step to resume from; -1 = the latest", bounds=at_least(0, also=(-1,)))
     last_save_model_only: bool = option(
         True, "the final save holds only the model weights (no optimizer state)")
@@ -169,16 +174,22 @@ class Compile:
         choices=("model", "loss"))
 
 
-@dataclass
-class Kernels:
-    kda: str = option("auto", "Kimi Delta Attention backend", choices=("auto", "reference", "fla", "cudnn"))
-    indexer: str = option("auto", "indexer top-k backend", choices=("auto", "reference", "triton", "cudnn"))
-    sparse_mla: str = option(
-        "auto", "sparse MLA backend", choices=("auto", "dense", "reference", "triton", "cudnn", "flash_mla"))
-    situ_glu: str = option(
-        "auto", "SiTU-GLU expert activation backend", choices=("auto", "reference", "triton"))
-    attn_res_mix: str = option(
-        "auto", "attention-residual mix backend", choices=("auto", "reference", "triton"))
+# One key per op of lowerings/catalog.py (the one op list), then the kernel settings of lowerings/settings.py.
+Kernels = make_dataclass("Kernels", [
+    *[(op, str, option("auto", entry.help, choices=("auto", *entry.backends))) for op, entry in BACKEND_OPS.items()],
+    ("triton_autotune", bool, option(
+        KernelSettings.triton_autotune,
+        "autotune the Triton kernels of lowerings/kernels on the GPU; false = their default configs (a faster "
+        "first step, for debugging and benchmarks)")),
+    ("sparse_mla_ws", bool, option(
+        KernelSettings.sparse_mla_ws,
+        "on Hopper, run the warp-specialized Gluon sparse-MLA forward; false = the Triton-language kernel")),
+    ("fla_configs", str, option(
+        KernelSettings.fla_configs,
+        "FLA's Triton autotune configs: shipped = the ones tuned for this GPU in lowerings/kernels/fla_configs "
+        "(FLA tunes what they lack), autotune = FLA tunes everything at the first step",
+        choices=FLA_CONFIG_CHOICES)),
+])
 
 
 @dataclass
@@ -188,9 +199,10 @@ class Data:
         "training dataset: packed_text packs documents into seq_len rows (document ids reset the model state); "
         "hellaswag and medpix are one padded example per row",
         choices=("packed_text", "hellaswag", "synthetic", "medpix"))
-    path: str = option("", "dataset file or folder; \"\" = the bundled sample (synthetic takes none)")
+    path: str = option("", "dataset file (.jsonl, .json or .parquet); \"\" = the bundled sample (synthetic takes none)")
     shuffle: bool = option(True, "shuffle examples (seeded by job.seed)")
-    validation_path: str = option("", "validation data; \"\" = the dataset's bundled validation split")
+    validation_path: str = option(
+        "", "validation data file; \"\" = the bundled sample's validation split (with data.path = \"\")")
 
 
 @dataclass

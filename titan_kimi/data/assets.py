@@ -8,3 +8,6 @@ TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 # Our own generated corpora (scripts/make_sample_data.py).
 SAMPLE_TEXT_PATH = ASSETS_DIR / "data" / "sample_text.jsonl"
 SAMPLE_HELLASWAG_PATH = ASSETS_DIR / "data" / "sample_hellaswag.jsonl"
+# Their validation splits (no document or context of the training files), for data.validation_path = "".
+SAMPLE_TEXT_VALIDATION_PATH = ASSETS_DIR / "data" / "sample_text_validation.jsonl"
+SAMPLE_HELLASWAG_VALIDATION_PATH = ASSETS_DIR / "data" / "sample_hellaswag_validation.jsonl"

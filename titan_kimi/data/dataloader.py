@@ -154,13 +154,15 @@ def build_dataloader(
     shuffle: bool,
     infinite: bool = True,
     vocab_size: int | None = None,
+    split: str = "train",
 ) -> ShardedDataLoader:
-    """Builds ``dataset_name`` (see datasets.py; ``path`` None = the shipped sample) and shards it.
+    """Builds ``dataset_name`` (see datasets.py; ``path`` None = the shipped sample's ``split``) and shards it.
 
     Batches are ``{"input_ids": int64 [B,S], "labels": int64 [B,S] (shifted, -100 = no loss),
     "doc_ids": int32 [B,S] (0 = padding)}`` with ``B = local_batch_size``, ``S = seq_len``.
     """
-    dataset = build_dataset(dataset_name, path, tokenizer, seq_len=seq_len, seed=seed, vocab_size=vocab_size)
+    dataset = build_dataset(dataset_name, path, tokenizer, seq_len=seq_len, seed=seed, vocab_size=vocab_size,
+                            split=split)
     return ShardedDataLoader(
         dataset,
         local_batch_size=local_batch_size,

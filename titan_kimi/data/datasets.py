@@ -15,7 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from titan_kimi.data.assets import SAMPLE_HELLASWAG_PATH, SAMPLE_TEXT_PATH
+from titan_kimi.data.assets import (
+    SAMPLE_HELLASWAG_PATH,
+    SAMPLE_HELLASWAG_VALIDATION_PATH,
+    SAMPLE_TEXT_PATH,
+    SAMPLE_TEXT_VALIDATION_PATH,
+)
 from titan_kimi.data.batch import Sample
 from titan_kimi.data.hellaswag import HellaSwagDataset
 from titan_kimi.data.packed_text import PackedTextDataset
@@ -23,7 +28,11 @@ from titan_kimi.data.synthetic import SyntheticDataset
 from titan_kimi.data.tokenizer import KimiTokenizer
 
 DATASET_NAMES = ("packed_text", "hellaswag", "synthetic")
-DEFAULT_PATHS = {"packed_text": SAMPLE_TEXT_PATH, "hellaswag": SAMPLE_HELLASWAG_PATH}
+SPLITS = ("train", "validation")
+DEFAULT_PATHS = {
+    "train": {"packed_text": SAMPLE_TEXT_PATH, "hellaswag": SAMPLE_HELLASWAG_PATH},
+    "validation": {"packed_text": SAMPLE_TEXT_VALIDATION_PATH, "hellaswag": SAMPLE_HELLASWAG_VALIDATION_PATH},
+}
 
 
 class MapDataset(Protocol):
@@ -40,14 +49,18 @@ def build_dataset(
     seq_len: int,
     seed: int = 0,
     vocab_size: int | None = None,
+    split: str = "train",
 ) -> MapDataset:
-    """Builds a dataset by name. ``path`` None (or "") means the sample shipped in titan_kimi/assets/data.
+    """Builds a dataset by name. ``path`` None (or "") means the sample shipped in titan_kimi/assets/data,
+    its training or its validation ``split``.
 
     ``synthetic`` takes no path; its vocabulary is ``vocab_size`` or else the tokenizer's, and its
     documents end with the tokenizer's EOS when a tokenizer is given.
     """
     if name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {name!r}; valid choices: {list(DATASET_NAMES)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {list(SPLITS)}")
     if name == "synthetic":
         if path:
             raise ValueError(f"dataset 'synthetic' takes no path, got {str(path)!r}")
@@ -59,11 +72,11 @@ def build_dataset(
 
     if tokenizer is None:
         raise ValueError(f"dataset {name!r} needs a tokenizer")
-    resolved = Path(path) if path else DEFAULT_PATHS[name]
+    resolved = Path(path) if path else DEFAULT_PATHS[split][name]
     if not resolved.is_file():
         raise ValueError(
             f"dataset path {str(resolved)!r} for {name!r} is not a file; expected a local .jsonl or .parquet "
-            f"file, or no path for the shipped sample {str(DEFAULT_PATHS[name])!r}"
+            f"file, or no path for the shipped sample {str(DEFAULT_PATHS[split][name])!r}"
         )
     if name == "packed_text":
         return PackedTextDataset(resolved, tokenizer, seq_len)

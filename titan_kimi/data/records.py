@@ -32,8 +32,15 @@ def read_records(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
 
 def _read_json_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for row, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded row by row, so an undecodable byte is reported with its row
+        for row, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if row == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}: row {row} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column {e.start + 1}); "
+                    f"re-encode the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -54,4 +61,8 @@ def _read_parquet(path: Path) -> list[tuple[int, dict[str, Any]]]:
             f"reading {path} needs pyarrow, which is not installed: `pip install pyarrow`, "
             f"or convert the file to JSON lines"
         ) from None
-    return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow's ArrowInvalid / OSError for a damaged or non-parquet file
+        raise ValueError(f"{path}: not a readable parquet file ({e})") from None
+    return list(enumerate(table.to_pylist(), start=1))

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
+from titan_kimi.checkpoint.hf_config import model_args_from_hf
 from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer
 from titan_kimi.models.kimi_k3 import KimiK3Model, KimiK3ModelArgs, model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
@@ -15,12 +13,10 @@ from titan_kimi.models.kimi_k3.init import cast_model_dtype
 def model_args_from_config(cfg) -> KimiK3ModelArgs:
     """The flavor's args, or those of ``model.hf_config_path`` (a checkpoint config.json) when given."""
     if cfg.model.hf_config_path:
-        path = Path(cfg.model.hf_config_path)
         try:
-            config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"model.hf_config_path = {str(path)!r}: cannot read a JSON config ({err})") from err
-        args = KimiK3ModelArgs.from_hf_config(config)
+            args = model_args_from_hf(cfg.model.hf_config_path)
+        except ValueError as err:  # it names the file; say which key pointed there
+            raise ValueError(f"model.hf_config_path: {err}") from None
     else:
         args = model_args_for(cfg.model.flavor)
     args.max_seq_len = cfg.training.seq_len

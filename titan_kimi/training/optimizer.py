@@ -73,6 +73,12 @@ def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Opti
     params = [p for _, p in named]
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     decoupled = cfg.name == "AdamW"
+    if not moments_follow_params and cfg.implementation != "auto":
+        raise ValueError(
+            f"optimizer.implementation = {cfg.implementation!r}: torch's Adam keeps the moments in the parameter "
+            f"dtype, but optimizer.state_dtype = {cfg.state_dtype!r} differs from the parameters'; valid: 'auto' "
+            f"(titan_kimi's Adam with its own moment dtype), or a state_dtype equal to the parameter dtype"
+        )
     if not moments_follow_params:
         groups = [
             {"params": [p for n, p in named if n in keep_fp32], "state_dtype": torch.float32},

@@ -32,6 +32,7 @@ class RouterLoad:
                 if hasattr(module, "tokens_per_expert") and isinstance(module.tokens_per_expert, torch.Tensor):
                     layer = int(name.split("layers.")[1].split(".")[0])
                     self.owned.append((self.row[layer], module))
+                    module.tokens_per_expert.zero_()  # a buffer, not a weight: initialisation leaves it unset
 
     def read_and_reset(self) -> Load | None:
         """The load since the last call (ratios are immune to activation recomputation counting twice)."""

@@ -220,14 +220,37 @@ HF_RENAMES = {
 }
 
 
+_VALUE_KINDS = {int: ((int,), "an integer"), float: ((int, float), "a number"), bool: ((bool,), "true or false"),
+                str: ((str,), "a string")}
+
+
+def _check_kind(hf: str, ours: str, value: Any) -> None:
+    """A config value of the field's type (a wrong one fails later with an unrelated TypeError otherwise)."""
+    default = KimiK3ModelArgs.__dataclass_fields__[ours].default
+    if isinstance(default, tuple):
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        word = "a list of integers"
+    elif ours == "kda_gate_lower_bound":
+        ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        word = "a number or null"
+    else:
+        kinds, word = _VALUE_KINDS[type(default)]
+        ok = isinstance(value, kinds) and (type(default) is bool or not isinstance(value, bool))
+    if not ok:
+        raise ValueError(f"config.json: {hf} = {value!r} must be {word}")
+
+
 def hf_config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     """Model-args keyword arguments from a checkpoint config dict; rejects settings the model cannot build."""
+    if not isinstance(config, dict):
+        raise ValueError(f"config.json: must be a JSON object, got {type(config).__name__}")
     text = config.get("text_config", config)
     if not isinstance(text, dict):
         raise ValueError(f"config.json: text_config must be an object, got {type(text).__name__}")
     out: dict[str, Any] = {}
     for hf, ours in HF_RENAMES.items():
         if text.get(hf) is not None:
+            _check_kind(hf, ours, text[hf])
             out[ours] = text[hf]
     if text.get("tie_word_embeddings"):
         raise ValueError("config.json: tie_word_embeddings = true is not supported (Kimi K3 has an untied lm_head)")
@@ -244,9 +267,20 @@ def hf_config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     block = text.get("attn_res_block_size", 12)
     out["attn_res_block_size"] = block or 0
     lac = text.get("linear_attn_config") or {}
+    if not isinstance(lac, dict):
+        raise ValueError(f"config.json: linear_attn_config must be an object, got {type(lac).__name__}")
+    for hf in ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size"):
+        if text.get(hf) is not None and (not isinstance(text[hf], int) or isinstance(text[hf], bool)):
+            raise ValueError(f"config.json: {hf} = {text[hf]!r} must be an integer or null")
     if lac:
         out["kda_layers"] = tuple(lac.get("kda_layers") or ())
         out["full_attn_layers"] = tuple(lac.get("full_attn_layers") or ())
+        for hf, ours in (("num_heads", "kda_num_heads"), ("head_dim", "kda_head_dim"),
+                         ("short_conv_kernel_size", "kda_conv_size"), ("use_full_rank_gate", "kda_full_rank_gate"),
+                         ("kda_layers", "kda_layers"), ("full_attn_layers", "full_attn_layers"),
+                         ("gate_lower_bound", "kda_gate_lower_bound")):
+            if hf in lac:
+                _check_kind(f"linear_attn_config.{hf}", ours, lac[hf])
         for hf, ours in (("num_heads", "kda_num_heads"), ("head_dim", "kda_head_dim"),
                          ("short_conv_kernel_size", "kda_conv_size"), ("use_full_rank_gate", "kda_full_rank_gate")):
             if hf in lac:

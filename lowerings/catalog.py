@@ -1,0 +1,25 @@
+"""The ops whose implementation the ``[kernels]`` config section chooses, with their backends and meaning.
+
+The one list: the config section is generated from it, the backend registry accepts only what it names, and
+the training entry point configures exactly these ops. Imports nothing (the config layer reads it without
+torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OpEntry:
+    help: str
+    backends: tuple[str, ...]  # "auto" comes on top: the first available of the op's preference order
+
+
+BACKEND_OPS: dict[str, OpEntry] = {
+    "kda": OpEntry("Kimi Delta Attention backend", ("reference", "fla", "cudnn")),
+    "indexer_topk": OpEntry("DSA indexer scores + top-k backend", ("reference", "triton", "cudnn")),
+    "sparse_mla": OpEntry("sparse MLA backend", ("dense", "reference", "triton", "cudnn", "flash_mla")),
+    "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
+    "attn_res_mix": OpEntry("attention-residual mix backend", ("reference", "triton")),
+}

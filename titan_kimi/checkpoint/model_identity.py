@@ -1,0 +1,112 @@
+"""Which model a checkpoint holds: the model args written next to every DCP step (``model_args.json``), and
+the checks that a checkpoint's args and keys match the model it is loaded into.
+
+Without them a K3.1 checkpoint "resumes" into a K3 model by dropping the indexer weights, and an HF folder
+whose config.json disagrees with the flavor trains without a word.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+
+MODEL_ARGS_FILE = "model_args.json"
+# A training setting (FLOP accounting), not a property of the weights.
+NOT_ARCHITECTURE = frozenset({"max_seq_len"})
+# Not HF config fields (checkpoint/hf_config.py): config.json cannot disagree about them.
+NOT_IN_HF_CONFIG = frozenset({"mla_norm_eps", "index_norm_eps", "max_seq_len"})
+_INDEXER_FIELDS = frozenset({"index_head_dim", "index_topk", "index_rope", "index_norm_eps"})
+
+
+def args_to_json(args: KimiK3ModelArgs) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(args).items()}
+
+
+def write_model_args(folder: str | Path, args: KimiK3ModelArgs) -> None:
+    (Path(folder) / MODEL_ARGS_FILE).write_text(json.dumps(args_to_json(args), indent=1, sort_keys=True) + "\n")
+
+
+def read_model_args(folder: str | Path) -> KimiK3ModelArgs | None:
+    """The args saved with a checkpoint step; None for a step saved before they were recorded."""
+    path = Path(folder) / MODEL_ARGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        fields = json.loads(path.read_text())
+        known = {f.name for f in dataclasses.fields(KimiK3ModelArgs)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown fields {unknown}")
+        return KimiK3ModelArgs(**fields)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"{path}: not a readable model args file ({err}); the checkpoint step is damaged") from None
+
+
+def args_differences(saved: KimiK3ModelArgs, current: KimiK3ModelArgs,
+                     ignore: Iterable[str] = NOT_ARCHITECTURE) -> list[str]:
+    """``name: saved X, this model Y`` for every field that differs (indexer details only when one has it)."""
+    skip = set(ignore)
+    if not saved.has_indexer and not current.has_indexer:
+        skip |= _INDEXER_FIELDS
+    out = []
+    for field in dataclasses.fields(KimiK3ModelArgs):
+        a, b = getattr(saved, field.name), getattr(current, field.name)
+        if field.name not in skip and a != b:
+            out.append(f"{field.name}: {_show(a)} in the checkpoint, {_show(b)} in this model")
+    return out
+
+
+def check_model_args(saved: KimiK3ModelArgs, current: KimiK3ModelArgs, source: str, *,
+                     ignore: Iterable[str] = NOT_ARCHITECTURE, remedy: str) -> None:
+    """ValueError naming every differing field of ``saved`` (read from ``source``) and ``current``."""
+    diffs = args_differences(saved, current, ignore)
+    if diffs:
+        raise ValueError(f"{source} holds a different model than this run builds ({len(diffs)} field"
+                         f"{'s' if len(diffs) > 1 else ''} differ):\n  " + "\n  ".join(diffs) + f"\n{remedy}")
+
+
+@functools.lru_cache(maxsize=8)
+def _full_model_keys(args_json: str) -> frozenset[str]:
+    from titan_kimi.models.kimi_k3.model import KimiK3Model
+
+    with torch.device("meta"):
+        model = KimiK3Model(KimiK3ModelArgs(**json.loads(args_json)))
+    return frozenset(model.state_dict())
+
+
+def full_model_keys(args: KimiK3ModelArgs) -> frozenset[str]:
+    """Every state-dict key of the whole model with ``args`` (built on the meta device: no memory)."""
+    return _full_model_keys(json.dumps(args_to_json(args), sort_keys=True))
+
+
+def check_saved_keys(saved: Iterable[str], args: KimiK3ModelArgs, source: str, *, remedy: str) -> None:
+    """ValueError when a checkpoint holds model keys that no tensor of a model with ``args`` has."""
+    unexpected = sorted(set(saved) - full_model_keys(args))
+    if unexpected:
+        shown = ", ".join(repr(k) for k in unexpected[:5]) + (f" and {len(unexpected) - 5} more"
+                                                             if len(unexpected) > 5 else "")
+        raise ValueError(f"{source} holds {len(unexpected)} model key(s) this model does not have: {shown}; "
+                         f"loading would drop them.\n{remedy}")
+
+
+def _show(value: Any) -> str:
+    return repr(list(value)) if isinstance(value, tuple) else repr(value)
+
+
+def check_config_json(config: dict[str, Any], args: KimiK3ModelArgs, file: str | Path,
+                      remedy: str | None = None) -> None:
+    """ValueError naming every field where the checkpoint's config.json and the model's args disagree."""
+    try:
+        saved = KimiK3ModelArgs.from_hf_config(config)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{file}: cannot be read as a Kimi K3 config ({err})") from None
+    check_model_args(saved, args, str(file), ignore=NOT_IN_HF_CONFIG, remedy=remedy or (
+        f"Build the model from it (model.hf_config_path = {str(file)!r}; in Python from_pretrained), or choose "
+        f"the model.flavor it was saved from."))
