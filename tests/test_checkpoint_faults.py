@@ -160,18 +160,42 @@ def test_initial_load_of_a_dcp_step_checks_the_model(tmp_path):
         load_model_weights(make_model("k31_debug"), tmp_path / "step-1")
 
 
-def test_resuming_with_another_number_of_ranks_says_so(tmp_path, monkeypatch):
+def test_resuming_with_another_number_of_ranks_restarts_only_the_random_streams(tmp_path, monkeypatch, caplog):
+    """Model, optimizer and data position reshard to another layout; a rank the checkpoint has no RNG streams
+    for continues from the seed and says so. Other per-rank state cannot move and is named."""
     import titan_kimi.checkpoint.dcp_states as dcp_states
     import titan_kimi.checkpoint.manager as manager_module
+    from titan_kimi.checkpoint import RankLocal
 
     model = make_model()
     state = training_state(model, torch.optim.AdamW(model.parameters()), rng=True)
     CheckpointManager(tmp_path, interval=1).save(1, state)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
     monkeypatch.setattr(dcp_states, "global_rank", lambda: 1)  # rank 1 of a run that now has two ranks
     monkeypatch.setattr(manager_module, "global_rank", lambda: 1)
-    with pytest.raises(ValueError, match=r"holds the per-rank 'rng' state of ranks \[0\], not of rank 1: it was saved "
-                                         r"by 1 rank\(s\); resume it with the same number of data-parallel ranks"):
-        CheckpointManager(tmp_path).load(state)
+    with caplog.at_level("WARNING", logger="titan_kimi"):
+        assert CheckpointManager(tmp_path).load(state) == 1
+    assert "holds no RNG state for rank 1" in caplog.text
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+    class Counter:
+        def state_dict(self):
+            return {"n": 3}
+
+        def load_state_dict(self, state):
+            pass
+
+    monkeypatch.setattr(dcp_states, "global_rank", lambda: 0)
+    monkeypatch.setattr(manager_module, "global_rank", lambda: 0)
+    CheckpointManager(tmp_path / "b", interval=1).save(1, {"model": model, "counter": RankLocal(Counter())})
+    monkeypatch.setattr(dcp_states, "global_rank", lambda: 1)
+    monkeypatch.setattr(manager_module, "global_rank", lambda: 1)
+    with pytest.raises(ValueError, match=r"holds the per-rank 'counter' state of ranks \[0\], not of rank 1: it was "
+                                         r"saved by 1 rank\(s\); resume it with the same number of data-parallel"):
+        CheckpointManager(tmp_path / "b").load({"model": model, "counter": RankLocal(Counter())})
 
 
 def test_disk_full_during_an_hf_export_says_so_and_replaces_nothing(tmp_path, monkeypatch):
