@@ -79,3 +79,27 @@ def test_seeds_full_scale_layout_resolves():
     layout = resolve_layout(par(pipeline_parallel_degree=8, expert_parallel_degree=32), 256, K3, local_batch_size=8)
     assert (layout.dp_shard, layout.fsdp, layout.efsdp, layout.pipeline.num_stages) == (32, 32, 1, 8)
     assert "ep 32 x efsdp 1" in layout.describe() and "1F1B, 8 stages" in layout.describe()
+
+
+def test_lr_schedule_state_resumes_into_another_grouping_of_parameters():
+    """The schedule's state is its position; the learning rates are recomputed for however many parameter
+    groups the resumed layout's optimizers have."""
+    import torch
+
+    from titan_kimi.training.optimizer import SchedulerParts, lr_lambda
+
+    def parts(groups):
+        opts = [torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(2))]} for _ in range(groups)], lr=0.1)]
+        rule = lambda step: lr_lambda(step, total=10, warmup=2, decay_ratio=-1, decay_type="linear", min_lr_factor=0)
+        return SchedulerParts([torch.optim.lr_scheduler.LambdaLR(o, rule) for o in opts])
+
+    two = parts(2)
+    for _ in range(4):
+        two.step()
+    one = parts(1)
+    one.load_state_dict(two.state_dict())
+    assert one.get_last_lr() == [two.get_last_lr()[0]]
+    assert one.schedulers[0].optimizer.param_groups[0]["lr"] == two.schedulers[0].optimizer.param_groups[1]["lr"]
+    one.step()
+    two.step()
+    assert one.get_last_lr()[0] == pytest.approx(two.get_last_lr()[0])

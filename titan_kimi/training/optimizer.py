@@ -130,11 +130,20 @@ class SchedulerParts:
         return self.schedulers[0].get_last_lr()
 
     def state_dict(self) -> dict:
-        return self.schedulers[0].state_dict()
+        # Only the position: the learning rates follow from it, and the number of parameter groups per optimizer
+        # depends on the layout (sharded and whole parameters are grouped apart), so a resume under another
+        # layout recomputes them.
+        first = self.schedulers[0]
+        return {"last_epoch": first.last_epoch, "step_count": first._step_count}
 
     def load_state_dict(self, state: dict) -> None:
         for scheduler in self.schedulers:
-            scheduler.load_state_dict(state)
+            scheduler.last_epoch = int(state["last_epoch"])
+            scheduler._step_count = int(state.get("step_count", state.get("_step_count", 1)))
+            lrs = [base * rule(scheduler.last_epoch) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+            for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+                group["lr"] = lr
+            scheduler._last_lr = lrs
 
 
 def lr_lambda(step: int, *, total: int, warmup: int, decay_ratio: float, decay_type: str, min_lr_factor: float) -> float:
