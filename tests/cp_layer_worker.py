@@ -1,5 +1,6 @@
-"""Launched by tests/test_context_parallel.py under torchrun (gloo, 2 or 4 ranks): each attention kind under
-context parallelism against one process on the whole rows, in fp32.
+"""Launched by tests/test_context_parallel.py under torchrun (gloo, 4 ranks): each attention kind under
+context parallelism against one process on the whole rows, in fp32, over CP groups of 4 ranks and of 2 (the
+world split into two groups, which run the same cases side by side).
 
 For the KDA layer (k3_debug), the dense gated MLA (k3_debug) and the K3.1 DSA layer (k31_debug: top-32 of 192
 keys per row), in both layouts: outputs, input gradients and parameter gradients (summed over the ranks) of this
@@ -38,7 +39,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def run(kind: str, layout: str, rank: int, world: int) -> None:
+def run(kind: str, layout: str, group: dist.ProcessGroup) -> None:
+    world = dist.get_world_size(group)
     args = model_args_for("k31_debug" if kind == "dsa" else "k3_debug")
     torch.manual_seed(0)
     layer = KimiDeltaAttention(args) if kind == "kda" else GatedMLA(args)
@@ -54,7 +56,7 @@ def run(kind: str, layout: str, rank: int, world: int) -> None:
     ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
     layer.zero_grad()
 
-    cp = ContextParallel(dist.group.WORLD, layout)
+    cp = ContextParallel(group, layout)
     pos = cp.positions(S)
     x_loc = x[:, pos].clone().requires_grad_()
     seq = cp.build_sequence(B, S // world, x.device, doc)
@@ -71,11 +73,11 @@ def run(kind: str, layout: str, rank: int, world: int) -> None:
     for name, p in layer.named_parameters():
         if name in ref_grads:
             grad = p.grad.clone()
-            dist.all_reduce(grad)
+            dist.all_reduce(grad, group=group)
             worst = max(worst, rel(grad, ref_grads[name]))
     stats = torch.tensor([errs["out"], errs["dx"], worst, remote])
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    if rank == 0:
+    if dist.get_rank() == 0:
         print(f"CP {kind} {layout} world {world} out {stats[0]:.2e} dx {stats[1]:.2e} grads {stats[2]:.2e} "
               f"remote {stats[3]:.2f}", flush=True)
 
@@ -83,9 +85,11 @@ def run(kind: str, layout: str, rank: int, world: int) -> None:
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    for kind in ("kda", "mla", "dsa"):
-        for layout in ("contiguous", "zigzag"):
-            run(kind, layout, rank, world)
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+    for group in (dist.group.WORLD, pairs[rank // 2]):
+        for kind in ("kda", "mla", "dsa"):
+            for layout in ("contiguous", "zigzag"):
+                run(kind, layout, group)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from lowerings.ops.kda import BACKENDS, _OUTSIDE_CUDA_GRAPHS
 from lowerings.ops.kda_reference import kda_rows_reference
-from lowerings.ops.registry import selected_backend
+from lowerings.ops.registry import on_cuda, selected_backend
 from lowerings.ops.sequence_shards import (all_gather_autograd, check_layout, chunk_slots, local_positions,
                                           parts_per_rank, rank_chunks)
 
@@ -36,7 +36,7 @@ def _group(group_name: str) -> dist.ProcessGroup:
 
 
 def _use_fla(q: torch.Tensor) -> bool:
-    return selected_backend("kda") == "fla" and q.is_cuda
+    return selected_backend("kda") == "fla" and on_cuda(q)
 
 
 def _incoming_states(maps: torch.Tensor, group: dist.ProcessGroup, layout: str, V: int) -> torch.Tensor:

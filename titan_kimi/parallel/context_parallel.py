@@ -29,11 +29,17 @@ WHOLE_ROW_KEYS = ("doc_ids",)  # batch entries every CP rank keeps whole: the mo
 
 
 class ContextParallel:
-    """This rank's place in its context-parallel group."""
+    """This rank's place in its context-parallel group. ``group=None`` with ``rank`` and ``world`` describes a
+    rank without communicating (planning and benchmarks, which supply their own exchange)."""
 
-    def __init__(self, group: dist.ProcessGroup, layout: str) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, layout: str, *, rank: int | None = None,
+                 world: int | None = None) -> None:
         self.group, self.layout = group, layout
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if group is not None:
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+        elif rank is None or world is None:
+            raise ValueError("ContextParallel without a process group needs rank and world")
+        self.rank, self.world = rank, world
         self.parts = parts_per_rank(layout)
         self.chunks = rank_chunks(layout, self.rank, self.world)
 
