@@ -158,7 +158,7 @@ def test_apply_compile_holds_the_mode_during_the_model_forward_only():
         block._compiled_call_impl = spy
     tokens = torch.randint(0, args.vocab_size, (1, 8))
     model(tokens)
-    limit = max(8, 4 * len(model.layers) + 8)
+    limit = max(8, 8 * len(model.layers) + 8)  # compile.py: 8 variants per block (experts outside under EP)
     assert seen == [(True, True, limit)] * len(model.layers)
     assert not triton_ops_enabled() and not emits_formula("situ_glu")
     assert torch._dynamo.config.recompile_limit == 8
