@@ -65,7 +65,7 @@ def indexer_topk_reference(
 @torch.library.custom_op("titan_kimi::indexer_topk", mutates_args=())
 def indexer_topk_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float,
-    q_offset: int,
+    q_offset: int = 0,
 ) -> torch.Tensor:
     if selected_backend("indexer") == "triton" and q.is_cuda:
         from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
@@ -75,7 +75,7 @@ def indexer_topk_op(
 
 
 @indexer_topk_op.register_fake
-def _(q, k, w, seg_start, topk, scale, q_offset):
+def _(q, k, w, seg_start, topk, scale, q_offset=0):
     return q.new_empty((q.shape[0], min(topk, k.shape[0])), dtype=torch.int32)
 
 
