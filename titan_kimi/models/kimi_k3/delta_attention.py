@@ -83,24 +83,16 @@ class KimiDeltaAttention(nn.Module):
         u = self.f_b_proj(self.f_a_proj(x)).view(B, S, H, d)
         beta = torch.sigmoid(self.b_proj(x).float())
         A_log, dt_bias = self.decay()
+        kda_args = dict(scale=1.0 / math.sqrt(d), A_log=A_log, dt_bias=dt_bias, lower_bound=self.lower_bound,
+                        l2norm_qk=True)
         if seq.exchange is not None:
-            # the recurrent state enters from the earlier pieces of each row
-            o = seq.exchange.kda(q, k, v, u, beta, scale=1.0 / math.sqrt(d), A_log=A_log, dt_bias=dt_bias,
-                                 lower_bound=self.lower_bound, l2norm_qk=True)
-            o = self.o_norm(o, self._output_gate(x).view(B, S, H, d))
-            return self.o_proj(o.reshape(B, S, H * d))
-        if seq.packed:
-            # Packed documents run as one varlen sequence; the op resets the state at every cu_seqlens entry.
-            q, k, v, u, beta = (t.reshape(1, B * S, *t.shape[2:]) for t in (q, k, v, u, beta))
-        o, _ = ops.kda(
-            q, k, v, u, beta,
-            scale=1.0 / math.sqrt(d),
-            A_log=A_log,
-            dt_bias=dt_bias,
-            lower_bound=self.lower_bound,
-            cu_seqlens=seq.cu_seqlens,
-            l2norm_qk=True,
-        )
+            # context parallelism: the recurrent state enters from the earlier pieces of each row
+            o = seq.exchange.kda(q, k, v, u, beta, **kda_args)
+        else:
+            if seq.packed:
+                # Packed documents run as one varlen sequence; the op resets the state at every cu_seqlens entry.
+                q, k, v, u, beta = (t.reshape(1, B * S, *t.shape[2:]) for t in (q, k, v, u, beta))
+            o, _ = ops.kda(q, k, v, u, beta, cu_seqlens=seq.cu_seqlens, **kda_args)
         o = self.o_norm(o.reshape(B, S, H, d), self._output_gate(x).view(B, S, H, d))
         return self.o_proj(o.reshape(B, S, H * d))
 

@@ -20,9 +20,9 @@ import torch._dynamo
 
 
 class SequenceExchange(Protocol):
-    """The rest of the sequence, for a rank that holds ``parts`` equal pieces of every row, in local order.
+    """The rest of the sequence, for a rank that holds P equal pieces of every row, in local order.
 
-    ``global_len`` is the whole row's length and ``part_starts`` the global position of each local piece.
+    ``global_len`` is the whole row's length and ``part_starts`` the global position of each of the P pieces.
     """
 
     global_len: int
