@@ -62,6 +62,21 @@ HF_LAYOUTS = {
     "ep2_efsdp2_hf": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
     "pp2_ep2_hf": LAYOUTS["pp2_ep2_fsdp2"],
 }
+# Context parallelism (tests/test_context_parallel.py): 64-token sequences, so that the indexer's top-32 leaves
+# keys unselected and zigzag over 4 ranks still gives 8-token pieces.
+CP = ["--training.seq_len", "64"]
+CP_LAYOUTS = {
+    "cp2_dp2": [*CP, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"],
+    "cp2_contiguous_dp2": [*CP, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4",
+                           "--parallelism.context_parallel_layout", "contiguous"],
+    "cp4": [*CP, "--parallelism.context_parallel_degree", "4", "--training.local_batch_size", "8"],
+    "cp2_pp2": [*CP, "--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                "--training.local_batch_size", "8"],
+    "cp2_ep2_dp2": [*CP, "--parallelism.context_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                    "--training.local_batch_size", "4"],
+    "cp2_pp2_ep2": [*CP, "--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+                    "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "8"],
+}
 
 
 def reference(cfg, args, global_batch: int):
@@ -87,11 +102,12 @@ def reference(cfg, args, global_batch: int):
 def check(name: str, overrides: list[str], env: DistEnv) -> None:
     cfg = load_job_config([*COMMON, *overrides])
     args = model_args_from_config(cfg)
-    layout = resolve_layout(cfg.parallelism, env.world_size, args, local_batch_size=cfg.training.local_batch_size)
+    layout = resolve_layout(cfg.parallelism, env.world_size, args, local_batch_size=cfg.training.local_batch_size,
+                            seq_len=cfg.training.seq_len)
     trainer = Trainer(cfg, args, layout, env)
     ref_loss, ref_grads = reference(cfg, args, trainer.global_batch)
     data = iter(trainer.dataloader)
-    host = [next(data) for _ in range(trainer.accum_steps)]
+    host = [trainer._local(next(data)) for _ in range(trainer.accum_steps)]
     normalizer = trainer._global_valid_tokens(host)
     loss = torch.zeros(())
     for batch in host:
@@ -128,7 +144,7 @@ def main() -> None:
     hf = argv[argv.index("--hf") + 1] if "--hf" in argv else None
     names = [a for a in argv if a != "--hf" and a != hf]
     for name in names or [*LAYOUTS, *(HF_LAYOUTS if hf else ())]:
-        overrides = LAYOUTS.get(name) or [*HF_LAYOUTS[name], "--checkpoint.initial_load_path", hf]
+        overrides = {**LAYOUTS, **CP_LAYOUTS}.get(name) or [*HF_LAYOUTS[name], "--checkpoint.initial_load_path", hf]
         check(name, overrides, env)
     dist.barrier()
     dist.destroy_process_group()

@@ -19,6 +19,8 @@ def test_opcheck_every_op():
     idx[2] = -1  # an empty row
     cases = [
         (torch.ops.titan_kimi.indexer_topk.default, (torch.randn(T, 2, 6), torch.randn(T, 6), torch.randn(T, 2), seg, 4, 0.5)),
+        (torch.ops.titan_kimi.indexer_topk.default,  # a run of queries at an offset into the keys (CP)
+         (torch.randn(5, 2, 6), torch.randn(T, 6), torch.randn(5, 2), seg[7:], 4, 0.5, 7)),
         (torch.ops.titan_kimi.sparse_mla.default, (*_floats(torch.randn(T, H, D), torch.randn(T, D)), idx, 0.3, 8)),
         (torch.ops.titan_kimi.situ_glu.default, (*_floats(torch.randn(4, 5, 16)), 4.0, 25.0)),
         (torch.ops.titan_kimi.attn_res_mix.default,

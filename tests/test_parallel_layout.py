@@ -12,7 +12,8 @@ from titan_kimi.parallel.pipeline_plan import plan_pipeline
 def par(**changes):
     base = dict(data_parallel_replicate_degree=1, data_parallel_shard_degree=-1, context_parallel_degree=1,
                 pipeline_parallel_degree=1, expert_parallel_degree=1, pipeline_parallel_schedule="1F1B",
-                pipeline_parallel_stages_per_rank=0, pipeline_parallel_split=[], pipeline_parallel_microbatch_size=1)
+                pipeline_parallel_stages_per_rank=0, pipeline_parallel_split=[], pipeline_parallel_microbatch_size=1,
+                context_parallel_layout="zigzag")
     return SimpleNamespace(**{**base, **changes})
 
 
@@ -103,3 +104,14 @@ def test_lr_schedule_state_resumes_into_another_grouping_of_parameters():
     one.step()
     two.step()
     assert one.get_last_lr()[0] == pytest.approx(two.get_last_lr()[0])
+
+
+def test_context_parallel_pieces_hold_the_short_convolution_window():
+    """KDA's short convolution reads 3 earlier tokens, which come from the previous piece only."""
+    args = model_args_for("k3_debug")
+    with pytest.raises(ValueError, match=r"seq_len = 16 over context_parallel_degree 4 \(zigzag\) gives pieces of 2 "
+                                         r"tokens, shorter than the 3 .* valid: seq_len >= 24"):
+        resolve_layout(par(context_parallel_degree=4), 4, args, seq_len=16)
+    layout = resolve_layout(par(context_parallel_degree=4, context_parallel_layout="contiguous"), 4, args, seq_len=16)
+    assert "cp 4 (contiguous)" in layout.describe() and layout.fsdp == 4
+    assert "cp 2 (zigzag)" in resolve_layout(par(context_parallel_degree=2), 4, args, seq_len=64).describe()

@@ -47,10 +47,21 @@ def test_dry_run_rejects_a_layout_that_does_not_fit(capsys):
                  "--job.world_size", "512", "--parallelism.pipeline_parallel_degree", "16")
 
 
-def test_real_run_rejects_parallelism_not_built_yet(capsys):
-    with pytest.raises(ValueError, match="context_parallel_degree = 2: context parallelism is not built yet"):
-        run_main(capsys, *TINY, "--parallelism.context_parallel_degree", "2", "--job.world_size", "2",
-                 "--parallelism.data_parallel_shard_degree", "1")
+def test_dry_run_prints_the_context_parallel_layout_and_the_activation_estimate(capsys):
+    """The layout names the CP split (zigzag by default); the activation estimate halves with twice the CP ranks
+    (every rank holds half the tokens; only the gathered latent and keys are per sequence)."""
+    acts = {}
+    for cp, layout in ((2, "zigzag"), (4, "contiguous")):
+        out = run_main(capsys, *TINY, "--training.seq_len", "64", "--training.local_batch_size", "2", "--job.dry_run",
+                       "--job.world_size", str(cp), "--parallelism.context_parallel_degree", str(cp),
+                       "--parallelism.context_parallel_layout", layout, "--job.estimate_activations")
+        assert f"# layout: world {cp} = dp_replicate 1 x dp_shard 1 x cp {cp} ({layout}) x pp 1" in out
+        line = next(line for line in out.splitlines() if line.startswith("# every rank: activations"))
+        assert f"for 2 x {64 // cp} local tokens of 64 (cp {cp} {layout}, activation_checkpoint none)" in line
+        acts[cp] = float(re.search(r"activations ([\d.e+-]+) GiB", line).group(1))
+    assert 0 < acts[4] < acts[2]
+    with pytest.raises(Exception, match="job.estimate_activations = true .* is measured by a dry run only"):
+        run_main(capsys, *TINY, "--job.estimate_activations")
 
 
 def read_metrics(folder):

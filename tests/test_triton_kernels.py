@@ -455,6 +455,27 @@ def test_indexer_topk_strided_inputs(ik):
     assert torch.equal(idx, ref_indexer_topk(ref_indexer_scores(q, k, w, seg, 0.4), topk))
 
 
+@pytest.mark.parametrize("select", ["threshold", "sort_keys"])
+def test_indexer_topk_query_slices_match_the_whole_sequence(ik, select):
+    """Queries given as slices at an offset into the keys (a context-parallel rank's runs) choose what the
+    whole sequence's rows choose, row chunks included; the reference op agrees."""
+    from lowerings.ops.indexer_topk import indexer_topk_reference
+
+    T, topk = 40, 8
+    q, k, w = _indexer_inputs(T, seed=11)
+    seg = doc_seg_start(T, [9, 21, 22])
+    whole = ik.indexer_topk.indexer_topk(q, k, w, seg, topk, 0.5, select=select)
+    for a, b in ((0, 10), (10, 20), (20, 40), (33, 34)):
+        for cap in (1 << 30, 4 * 40 * 3):
+            part = ik.indexer_topk.indexer_topk(q[a:b], k, w[a:b], seg[a:b], topk, 0.5, select=select,
+                                                mem_cap_bytes=cap, q_offset=a)
+            assert torch.equal(part, whole[a:b]), (a, b, cap)
+        ref = indexer_topk_reference(q[a:b], k, w[a:b], seg[a:b], topk, 0.5, a)
+        assert torch.equal(ref, whole[a:b]), (a, b)
+    with pytest.raises(ValueError, match="q_offset"):
+        ik.indexer_topk.indexer_topk(q[30:], k, w[30:], seg[30:], topk, 0.5, q_offset=31)
+
+
 def test_indexer_rejects_bad_inputs(ik):
     q, k, w = _indexer_inputs(8)
     seg = torch.zeros(8, dtype=torch.int32)

@@ -25,8 +25,9 @@ from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX, build_dataloader
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, init_distributed, pick_device
-from titan_kimi.parallel.layout import ParallelLayout, reject_unbuilt, resolve_layout
+from titan_kimi.parallel.context_parallel import ContextParallel
 from titan_kimi.parallel.fsdp import ReplicatedGradients
+from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
@@ -67,7 +68,7 @@ def dry_run(cfg, args, layout: ParallelLayout) -> None:
         print(f"# {line}")
     print(f"# model: {cfg.model.flavor if not cfg.model.hf_config_path else cfg.model.hf_config_path}, "
           f"{args.n_layers} layers, flops/token {training_flops_per_token(args, cfg.training.seq_len, counts):.4g}")
-    for line in describe_ranks(cfg, args, layout):
+    for line in describe_ranks(cfg, args, layout, activations=cfg.job.estimate_activations):
         print(f"# {line}")
     print(f"params total={counts.total} active={counts.active}")
 
@@ -83,6 +84,9 @@ class Trainer:
         self.distributed = env.launched and env.world_size > 1
         # Every mesh comes from torchtitan's ParallelDims; the batch mesh says which data this rank reads.
         self.meshes: Meshes | None = build_meshes(layout, self.device.type) if self.distributed else None
+        # The ranks of a CP group read the same batch; each keeps its share of every sequence (shard_batch).
+        self.context_parallel = (ContextParallel(self.meshes.cp_group, layout.cp_layout) if layout.cp > 1
+                                 else None)
         self.dp = layout.dp
         self.dp_rank = self.meshes.dp_rank if self.meshes is not None else 0
         self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * self.dp
@@ -145,7 +149,7 @@ class Trainer:
         if self.distributed:
             from titan_kimi.parallel.parallelize import mixed_precision_dtype, parallelize
 
-            sharded = [parallelize(part, cfg, self.meshes, self.device) for part in parts]
+            sharded = [parallelize(part, cfg, self.meshes, self.device, self.context_parallel) for part in parts]
             if not all(sharded):  # no data-parallel mesh (pipeline parallelism alone): autocast instead
                 self.autocast_dtype = mixed_precision_dtype(cfg)
         else:
@@ -181,7 +185,8 @@ class Trainer:
         mb = layout.microbatch_size
         schedule, stages = build_schedule(
             layout.pipeline, modules, device=self.device, group=self.meshes.pp_group,
-            n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb, seq_len=cfg.training.seq_len)
+            n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb,
+            seq_len=cfg.training.seq_len // layout.cp)  # this rank's tokens of each sequence
         return PipelineRunner(schedule, stages, [m for _, m in modules])
 
     def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True, split: str = "train"):
@@ -241,9 +246,15 @@ class Trainer:
             hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True)
             return self.loss_fn(self.model.output, hidden, batch["labels"], normalizer)
 
+    def _local(self, batch: dict) -> dict:
+        """This rank's share of a batch: under context parallelism its tokens and labels of every sequence (the
+        model gets the whole sequences' doc_ids); otherwise the batch itself."""
+        return self.context_parallel.shard_batch(batch) if self.context_parallel is not None else batch
+
     def _global_valid_tokens(self, batches: list[dict]) -> torch.Tensor:
-        """Tokens with a label over the whole optimizer step: every micro-batch of every data-parallel rank (the
-        ranks of one pipeline read the same batch, so the world sum counts it once per pipeline rank)."""
+        """Tokens with a label over the whole optimizer step: every micro-batch of every data-parallel rank. Each
+        CP rank counts its own share of the sequences, so the world sum counts every token once per pipeline
+        rank (the ranks of one pipeline read the same batch)."""
         local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)  # on the host: no device sync
         total = all_reduce_sum(torch.tensor(float(local), dtype=torch.float32, device=self.device))
         return total / self.layout.pp
@@ -259,7 +270,7 @@ class Trainer:
 
     def train_step(self, data_iter) -> StepMetrics:
         cfg, t0 = self.cfg, time.perf_counter()
-        host = [next(data_iter) for _ in range(self.accum_steps)]
+        host = [self._local(next(data_iter)) for _ in range(self.accum_steps)]
         # The loss of every micro-batch on every rank is divided by the step's global count of valid tokens.
         global_valid = self._global_valid_tokens(host)
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in host]
@@ -267,7 +278,8 @@ class Trainer:
         for batch in batches:
             loss_sum += self._micro_step(batch, global_valid, backward=True)
         self.replicated.sync()
-        loss_value = float(all_reduce_sum(loss_sum))  # ranks without the last pipeline stage add 0
+        # ranks without the last pipeline stage add 0; each CP rank adds its share of the sequences
+        loss_value = float(all_reduce_sum(loss_sum))
         clip = clip_gradients(self.named_params, cfg.training.max_norm,
                               self.meshes.pp_group if self.meshes is not None else None)
         skipped = not clip.finite
@@ -310,6 +322,7 @@ class Trainer:
         for i, batch in enumerate(self.validation_loader):
             if cfg.validation.steps != -1 and i >= cfg.validation.steps:
                 break
+            batch = self._local(batch)
             count += int((batch["labels"] != IGNORE_INDEX).sum())
             batch = {k: v.to(self.device) for k, v in batch.items()}
             total += self._micro_step(batch, one, backward=False)
@@ -363,14 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     world_size = cfg.job.world_size or env.world_size
     if not cfg.job.world_size and "WORLD_SIZE" not in os.environ:
         validate_job_config(cfg, launcher_world_size=world_size)  # a plain process: check against 1 rank
-    layout = resolve_layout(cfg.parallelism, world_size, args, local_batch_size=cfg.training.local_batch_size)
+    layout = resolve_layout(cfg.parallelism, world_size, args, local_batch_size=cfg.training.local_batch_size,
+                            seq_len=cfg.training.seq_len)
     if cfg.job.print_config and env.is_main and not cfg.job.dry_run:
         print(to_toml(cfg))
     if cfg.job.dry_run:
         if env.is_main:
             dry_run(cfg, args, layout)
         return 0
-    reject_unbuilt(layout)
     if world_size != env.world_size:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
     resolved = configure_kernels(cfg.kernels)

@@ -1,9 +1,12 @@
 """DSA lightning-indexer scores + top-k over row chunks (docs/ops.md, op `indexer_topk`), in Triton.
 
-    q [T, HI, D], k [T, D], w [T, HI] (fp32 or bf16, already scaled), seg_start [T] int32, topk, scale
-    -> idx [T, min(topk, T)] int32
+    q [T, HI, D], k [Tk, D], w [T, HI] (fp32 or bf16, already scaled), seg_start [T] int32, topk, scale,
+    q_offset -> idx [T, min(topk, Tk)] int32
 
-    I(t, s) = sum_h w[t, h] * relu(scale * q[t, h] . k[s])   (fp32), valid for seg_start[t] <= s <= t.
+    I(t, s) = sum_h w[t, h] * relu(scale * q[t, h] . k[s])   (fp32), valid for seg_start[t] <= s <= p(t),
+
+where p(t) = q_offset + t is query t's position among the keys (q_offset = 0 and Tk = T: every token queries
+its own sequence; a context-parallel rank passes a run of its queries and the whole sequence's keys).
 
 The full [T, T] score matrix is never allocated: queries are processed in chunks of R rows, with R chosen
 so that one [R, width] buffer stays under `mem_cap_bytes` (width = last row of the chunk + 1, i.e. only the
@@ -44,7 +47,7 @@ __all__ = ["indexer_topk", "indexer_scores", "default_scores_config", "scores_co
 def _indexer_scores_kernel(
     Q, K, W, SEG, OUT,
     stride_qt, stride_qh, stride_kt, stride_wt, stride_wh, stride_or,
-    row0, n_rows, width, HI, D, scale,
+    row0, n_rows, width, HI, D, scale, q_off,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, TOKS: tl.constexpr, BLOCK_HI: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, FILL_ROWS: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SORT_KEYS: tl.constexpr,
@@ -53,7 +56,8 @@ def _indexer_scores_kernel(
     # a loop walks the rows TOKS at a time: S^T = K_tile @ Q^T is [BLOCK_N keys (MMA M), TOKS * BLOCK_HI
     # (token, head) pairs (MMA N)], and the head reduction runs along N, i.e. inside a thread and its quad of
     # the MMA accumulator layout (no shared-memory round trip). `scale` is >= 0 (the host folds its sign into
-    # k), so relu(scale * x) * w = relu(x) * (scale * w).
+    # k), so relu(scale * x) * w = relu(x) * (scale * w). Rows are positions among the keys; the query at
+    # position t is row t - q_off of Q, W and SEG (q_off > 0 when the queries are a slice of the sequence).
     n0 = tl.program_id(0) * BLOCK_N
     t0 = row0 + tl.program_id(1) * BLOCK_T
     t1 = tl.minimum(t0 + BLOCK_T, row0 + n_rows)
@@ -64,7 +68,7 @@ def _indexer_scores_kernel(
     # only the skipping (not correctness) relies on seg_start being nondecreasing, as packed documents are.
     ta = tl.minimum(tl.maximum(t0, n0), t1)
     offs_tb = t0 + tl.arange(0, BLOCK_T)
-    seg_b = tl.load(SEG + offs_tb, mask=offs_tb < t1, other=2147483647)
+    seg_b = tl.load(SEG + (offs_tb - q_off), mask=offs_tb < t1, other=2147483647)
     tb = tl.max(tl.where((offs_tb >= ta) & (seg_b < n0 + BLOCK_N), offs_tb + 1, ta), 0)
 
     # rows [t0, ta) and [tb, t1): every key of the block is masked
@@ -97,14 +101,14 @@ def _indexer_scores_kernel(
         kt = kt.to(tl.float32)
     offs_g = tl.arange(0, TOKS)
     for t in range(ta, tb, TOKS):
-        t64 = tl.cast(t, tl.int64)
+        t64 = tl.cast(t - q_off, tl.int64)
         p_ok = ((t + tok) < tb) & h_ok
         qt = tl.load(Q + t64 * stride_qt + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                      mask=p_ok[:, None] & d_ok[None, :], other=0.0)
         w = tl.load(W + t64 * stride_wt + tok * stride_wt + head * stride_wh, mask=p_ok, other=0.0)
         tt = t + offs_g
         t_ok = tt < tb
-        seg = tl.load(SEG + tt, mask=t_ok, other=0)
+        seg = tl.load(SEG + (tt - q_off), mask=t_ok, other=0)
         if UPCAST:
             qt = qt.to(tl.float32)
         s = tl.dot(kt, tl.trans(qt), input_precision=DOT_PREC)  # [BLOCK_N, TOKS * BLOCK_HI] fp32
@@ -158,12 +162,14 @@ def _autotuned_scores(cfg_key: tuple):
     return make_autotuner(_indexer_scores_kernel, cfg_key, ["HI", "D"])
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int) -> None:
+def _check(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int,
+           q_offset: int = 0) -> None:
     if q.dim() != 3:
         raise ValueError(f"indexer_topk: q must be [T, HI, D], got shape {tuple(q.shape)}")
     T, HI, D = q.shape
-    if k.shape != (T, D):
-        raise ValueError(f"indexer_topk: k must be [T={T}, D={D}], got shape {tuple(k.shape)}")
+    if k.dim() != 2 or k.shape[1] != D or k.shape[0] < q_offset + T or q_offset < 0:
+        raise ValueError(f"indexer_topk: k must be [Tk >= q_offset + T = {q_offset} + {T}, D={D}] with q_offset "
+                         f">= 0, got shape {tuple(k.shape)}")
     if w.shape != (T, HI):
         raise ValueError(f"indexer_topk: w must be [T={T}, HI={HI}], got shape {tuple(w.shape)}")
     if seg_start.shape != (T,) or seg_start.dtype != torch.int32:
@@ -178,11 +184,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.T
 
 def indexer_scores(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, scale: float,
-    row0: int, n_rows: int, out: torch.Tensor, *, config: dict | None = None,
+    row0: int, n_rows: int, out: torch.Tensor, *, config: dict | None = None, q_offset: int = 0,
 ) -> torch.Tensor:
-    """Fill out[:n_rows, :width] (width = row0 + n_rows) for rows row0 .. row0 + n_rows - 1: fp32 `out` gets
-    the masked scores (-inf outside the window), int64 `out` the tie-breaking sort keys (INT64_MIN outside).
-    `out` may be a strided view (unit stride along keys)."""
+    """Fill out[:n_rows, :width] (width = row0 + n_rows) for the queries at positions row0 .. row0 + n_rows - 1
+    (rows row0 - q_offset .. of q, w, seg_start): fp32 `out` gets the masked scores (-inf outside the window),
+    int64 `out` the tie-breaking sort keys (INT64_MIN outside). `out` may be a strided view (unit stride along
+    keys)."""
     T, HI, D = q.shape
     width = row0 + n_rows
     if (out.dim() != 2 or out.shape[0] < n_rows or out.shape[1] < width or out.stride(1) != 1
@@ -195,7 +202,7 @@ def indexer_scores(
         k, scale = -k, -scale
     args = (q, k, w, seg_start, out,
             q.stride(0), q.stride(1), k.stride(0), w.stride(0), w.stride(1), out.stride(0),
-            row0, n_rows, width, HI, D, float(scale))
+            row0, n_rows, width, HI, D, float(scale), int(q_offset))
     meta = dict(BLOCK_HI=next_pow2(max(HI, 1)), BLOCK_D=next_pow2(max(D, 16)),
                 EVEN_D=D == next_pow2(max(D, 16)), FILL_ROWS=8,
                 DOT_PREC="ieee" if q.dtype == torch.float32 or interpreting() else "tf32",
@@ -223,8 +230,10 @@ def indexer_topk(
     mem_cap_bytes: int = 1 << 30,
     config: dict | None = None,
     select: str = "threshold",
+    q_offset: int = 0,
 ) -> torch.Tensor:
-    """Indexer top-k: idx [T, min(topk, T)] int32, each row's chosen keys ascending, -1 in unused slots.
+    """Indexer top-k: idx [T, min(topk, Tk)] int32, each row's chosen keys ascending, -1 in unused slots.
+    Query t sits at position q_offset + t among the Tk keys (see the module docstring).
 
     Rows with <= topk valid keys return all of them; among equal scores the most recent key wins.
     `mem_cap_bytes` bounds the score buffer of one row chunk (torch.topk needs workspace on top).
@@ -233,32 +242,34 @@ def indexer_topk(
     (score image << 32 | key), torch.topk on them and a sort. Same result; the first moves half the bytes."""
     if select not in ("threshold", "sort_keys"):
         raise ValueError(f"indexer_topk: select={select!r}; valid: 'threshold', 'sort_keys'")
-    _check(q, k, w, seg_start, topk)
+    _check(q, k, w, seg_start, topk, q_offset)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     seg_start = seg_start.contiguous()
     T = q.shape[0]
-    kk = min(topk, T)
+    kk = min(topk, k.shape[0])
     idx = torch.full((T, kk), -1, dtype=torch.int32, device=q.device)
     if T == 0:
         return idx
     sort_keys = select == "sort_keys"
     elem = 8 if sort_keys else 4
-    rows = max(1, min(T, int(mem_cap_bytes) // (elem * T)))
-    buf = torch.empty(rows, T, dtype=torch.int64 if sort_keys else torch.float32, device=q.device)
+    end = q_offset + T  # keys past the last query's position are never reachable
+    rows = max(1, min(T, int(mem_cap_bytes) // (elem * end)))
+    buf = torch.empty(rows, end, dtype=torch.int64 if sort_keys else torch.float32, device=q.device)
     masked = torch.iinfo(torch.int64).min
     for r0 in range(0, T, rows):
         n = min(rows, T - r0)
-        width = r0 + n
-        scores = indexer_scores(q, k, w, seg_start, scale, r0, n, buf[:n, :width], config=config)
+        width = q_offset + r0 + n
+        scores = indexer_scores(q, k, w, seg_start, scale, q_offset + r0, n, buf[:n, :width], config=config,
+                                q_offset=q_offset)
         kc = min(kk, width)
         top = torch.topk(scores, kc, dim=1, sorted=False).values
         if sort_keys:
             # masked picks (row has fewer than kc valid keys) go past every real index, then become -1
             sel = torch.where(top == masked, width, top & 0xFFFFFFFF).sort(dim=1).values
-            idx[r0:width, :kc] = torch.where(sel == width, -1, sel).to(torch.int32)
+            idx[r0:r0 + n, :kc] = torch.where(sel == width, -1, sel).to(torch.int32)
         else:
             # keys after t are masked anyway: each row reads only its causal prefix [0, t]
-            row_end = torch.arange(r0 + 1, width + 1, dtype=torch.int32, device=q.device)
-            select_topk_by_threshold(scores, top.min(dim=1).values, row_end, idx[r0:width, :kc])
+            row_end = torch.arange(width - n + 1, width + 1, dtype=torch.int32, device=q.device)
+            select_topk_by_threshold(scores, top.min(dim=1).values, row_end, idx[r0:r0 + n, :kc])
     return idx

@@ -4,6 +4,7 @@ from lowerings.ops.attention import causal_attention, document_causal_mask
 from lowerings.ops.attn_res_mix import attn_res_mix
 from lowerings.ops.indexer_topk import indexer_topk
 from lowerings.ops.kda import kda
+from lowerings.ops.kda_cp import kda_context_parallel
 from lowerings.ops.linear_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
 from lowerings.ops.registry import configure_backends, known_ops, op_backends, selected_backend
 from lowerings.ops.situ_glu import situ_glu
@@ -18,6 +19,7 @@ __all__ = [
     "document_causal_mask",
     "indexer_topk",
     "kda",
+    "kda_context_parallel",
     "known_ops",
     "op_backends",
     "selected_backend",

@@ -10,21 +10,42 @@ import torch
 import torch.nn.functional as F
 
 
-def document_causal_mask(seg_start: torch.Tensor) -> torch.Tensor:
-    """``seg_start [B,S]`` (row-local) -> boolean ``[B,1,S,S]``: query t sees keys seg_start[t] <= s <= t."""
-    S = seg_start.shape[-1]
-    s = torch.arange(S, device=seg_start.device)
-    t = s.unsqueeze(1)
+def document_causal_mask(
+    seg_start: torch.Tensor, q_positions: torch.Tensor | None = None, num_keys: int | None = None
+) -> torch.Tensor:
+    """``seg_start [B,Sq]`` -> boolean ``[B,1,Sq,Sk]``: query t sees keys seg_start[t] <= s <= pos(t).
+
+    ``q_positions [B,Sq]`` are the queries' positions among the ``num_keys`` keys (default: query t is key t,
+    a square mask); given, the mask is rectangular, e.g. a slice of a sequence's queries against all its keys.
+    """
+    Sq = seg_start.shape[-1]
+    s = torch.arange(num_keys if num_keys is not None else Sq, device=seg_start.device)
+    t = (q_positions if q_positions is not None else torch.arange(Sq, device=seg_start.device)).unsqueeze(-1)
     return ((s <= t) & (s >= seg_start.unsqueeze(-1))).unsqueeze(1)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, seg_start: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    seg_start: torch.Tensor | None = None,
+    q_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``q, k [B,S,H,Dqk]``, ``v [B,S,H,Dv]`` -> ``[B,S,H,Dv]``; plain causal when ``seg_start`` is None."""
+    """``q [B,Sq,H,Dqk]``, ``k [B,Sk,H,Dqk]``, ``v [B,Sk,H,Dv]`` -> ``[B,Sq,H,Dv]``.
+
+    Plain causal when ``seg_start`` is None (then Sq == Sk). ``q_positions [B,Sq]`` (with ``seg_start``, both in
+    key coordinates) place the queries among the keys: query t sees keys seg_start[t] <= s <= q_positions[t].
+    """
+    if q_positions is not None and seg_start is None:
+        raise ValueError("causal_attention: q_positions needs seg_start (both in key coordinates)")
+    if q_positions is None and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal_attention: {q.shape[1]} queries and {k.shape[1]} keys need q_positions")
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if seg_start is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(seg_start), scale=scale)
+        mask = document_causal_mask(seg_start, q_positions, k.shape[2])
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)

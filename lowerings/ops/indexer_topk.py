@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from lowerings.ops.registry import cuda_available, not_built, op_backends, selected_backend
 
@@ -16,13 +17,15 @@ SCORE_BYTES_CAP = 1 << 30
 
 
 def indexer_scores_reference(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, rows: slice, scale: float
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, rows: slice, scale: float,
+    q_offset: int = 0,
 ) -> torch.Tensor:
-    """I(t,s) = sum_h w[t,h] relu(scale q[t,h].k[s]) for t in ``rows``; -inf outside [seg_start[t], t]."""
+    """I(t,s) = sum_h w[t,h] relu(scale q[t,h].k[s]) for t in ``rows``; -inf outside [seg_start[t], p(t)] with
+    p(t) = q_offset + t, the query's position among the keys."""
     qt = q[rows].float()
     logits = torch.einsum("thd,sd->ths", qt, k.float()) * scale
     scores = torch.einsum("th,ths->ts", w[rows].float(), torch.relu(logits))
-    t = torch.arange(rows.start, rows.stop, device=q.device).unsqueeze(1)
+    t = torch.arange(rows.start + q_offset, rows.stop + q_offset, device=q.device).unsqueeze(1)
     s = torch.arange(k.shape[0], device=q.device).unsqueeze(0)
     valid = (s <= t) & (s >= seg_start[rows].unsqueeze(1).long())
     return scores.masked_fill(~valid, float("-inf"))
@@ -43,44 +46,56 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def indexer_topk_reference(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float,
+    q_offset: int = 0,
 ) -> torch.Tensor:
     T, HI, _ = q.shape
-    width = min(topk, T)
-    rows_per_chunk = max(1, SCORE_BYTES_CAP // max(1, 4 * HI * T))
+    width = min(topk, k.shape[0])
+    keys = k[: q_offset + T]  # keys after the last query's position are never reachable
+    rows_per_chunk = max(1, SCORE_BYTES_CAP // max(1, 4 * HI * keys.shape[0]))
     out = []
     for start in range(0, T, rows_per_chunk):
         rows = slice(start, min(T, start + rows_per_chunk))
-        out.append(select_topk(indexer_scores_reference(q, k, w, seg_start, rows, scale), width))
+        scores = indexer_scores_reference(q, keys, w, seg_start, rows, scale, q_offset)
+        chosen = select_topk(scores, min(width, keys.shape[0]))
+        out.append(F.pad(chosen, (0, width - chosen.shape[1]), value=-1))
     return torch.cat(out, dim=0) if out else q.new_empty((0, width), dtype=torch.int32)
 
 
 @torch.library.custom_op("titan_kimi::indexer_topk", mutates_args=())
 def indexer_topk_op(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float,
+    q_offset: int = 0,
 ) -> torch.Tensor:
     if selected_backend("indexer_topk") == "triton" and q.is_cuda:
         from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
 
-        return triton_indexer_topk(q, k, w, seg_start, topk, scale)
-    return indexer_topk_reference(q, k, w, seg_start, topk, scale)
+        return triton_indexer_topk(q, k, w, seg_start, topk, scale, q_offset=q_offset)
+    return indexer_topk_reference(q, k, w, seg_start, topk, scale, q_offset)
 
 
 @indexer_topk_op.register_fake
-def _(q, k, w, seg_start, topk, scale):
-    return q.new_empty((q.shape[0], min(topk, q.shape[0])), dtype=torch.int32)
+def _(q, k, w, seg_start, topk, scale, q_offset=0):
+    return q.new_empty((q.shape[0], min(topk, k.shape[0])), dtype=torch.int32)
 
 
 def indexer_topk(
-    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, *, topk: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, *, topk: int, scale: float,
+    q_offset: int = 0,
 ) -> torch.Tensor:
-    """Indices ``[T, min(topk, T)]`` (int32, ascending, -1 = empty) of the keys each query attends to."""
+    """Indices ``[T, min(topk, Tk)]`` (int32, ascending, -1 = empty) of the keys each query attends to.
+
+    ``k [Tk, D]`` holds the keys; query t sits at key position ``q_offset + t`` and sees keys
+    ``seg_start[t] <= s <= q_offset + t``. The default (q_offset 0, Tk = T) is a sequence querying itself; a
+    context-parallel rank passes a run of its queries against the gathered keys.
+    """
     T = q.shape[0]
-    if q.dim() != 3 or k.shape != (T, q.shape[2]) or w.shape != q.shape[:2] or seg_start.shape != (T,):
+    if (q.dim() != 3 or k.dim() != 2 or k.shape[1] != q.shape[2] or k.shape[0] < q_offset + T or q_offset < 0
+            or w.shape != q.shape[:2] or seg_start.shape != (T,)):
         raise ValueError(
-            f"indexer_topk expects q [T,HI,D], k [T,D], w [T,HI], seg_start [T]; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(w.shape)}, {tuple(seg_start.shape)}"
+            f"indexer_topk expects q [T,HI,D], k [Tk >= q_offset + T, D], w [T,HI], seg_start [T], q_offset >= 0; "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(w.shape)}, {tuple(seg_start.shape)}, q_offset {q_offset}"
         )
     if topk < 1:
         raise ValueError(f"indexer_topk needs topk >= 1, got {topk}")
-    return indexer_topk_op(q.detach(), k.detach(), w.detach(), seg_start.to(torch.int32), topk, scale)
+    return indexer_topk_op(q.detach(), k.detach(), w.detach(), seg_start.to(torch.int32), topk, scale, q_offset)

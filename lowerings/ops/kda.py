@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from lowerings.ops.kda_reference import kda_reference
-from lowerings.ops.registry import all_of, cuda_available, module_available, not_built, op_backends, selected_backend
+from lowerings.ops.registry import (all_of, cuda_available, module_available, not_built, on_cuda, op_backends,
+                                    selected_backend)
 
 BACKENDS = op_backends("kda")
 BACKENDS.add("fla", all_of(cuda_available, module_available("fla")), auto_rank=0)
@@ -23,7 +24,7 @@ _EMPTY = (0,)
 
 
 def _use_fla(q: torch.Tensor) -> bool:
-    return selected_backend("kda") == "fla" and q.is_cuda
+    return selected_backend("kda") == "fla" and on_cuda(q)
 
 
 def _num_sequences(q: torch.Tensor, cu_seqlens: torch.Tensor | None):

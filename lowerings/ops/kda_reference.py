@@ -52,8 +52,9 @@ def _chunked_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 chunked recurrence over rows. q,k,g [B,T,H,K]; v [B,T,H,V]; beta [B,T,H]; state [B,H,K,V].
 
-    seg_start [B,T] (row-local first index of each token's segment) or None for one sequence per row.
-    Returns o [B,T,H,V] and the state after the last token.
+    seg_start [B,T] (row-local first index of each token's segment) or None for one sequence per row. A
+    negative start marks a segment that began before the row: only its tokens see ``state``; without one the
+    initial state reaches nobody. Returns o [B,T,H,V] and the state after the last token (of its segment).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -153,3 +154,31 @@ def kda_reference(
     if not output_final_state:
         final = qf.new_zeros(0)
     return o.to(v.dtype).contiguous(), final
+
+
+def kda_rows_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+    scale: float,
+    seg_start: torch.Tensor,
+    initial_state: torch.Tensor,
+    l2norm_qk: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of packed segments with one incoming state per row (context parallelism's pieces of a sequence).
+
+    ``seg_start [B,T]``: row-local start of each token's segment, -1 for the segment that continues from before
+    the row, which alone starts from ``initial_state [B,H,K,V]``. Returns ``o [B,T,H,V]`` and the state after
+    each row's last token, both fp32 (the caller adds to o before rounding). Differentiable through autograd.
+    """
+    qf, kf, vf, bf = q.float(), k.float(), v.float(), beta.float()
+    if l2norm_qk:
+        qf, kf = l2norm(qf), l2norm(kf)
+    gf = kda_gate(g, A_log, dt_bias, lower_bound) if A_log is not None else g.float()
+    o, final = _chunked_rows(qf, kf, vf, gf, bf, scale, seg_start, initial_state.float())
+    return o, final

@@ -100,6 +100,34 @@ def configure_backends(choices: Mapping[str, str]) -> dict[str, str]:
     return resolved
 
 
+# ---------------------------------------------------------------- planning without a GPU
+_PLAN_AS_CUDA: bool = False
+
+
+@contextmanager
+def plan_as_cuda(choices: Mapping[str, str]) -> Iterator[None]:
+    """For fake-tensor planning (memory estimates) on a machine without a GPU: while active, ops take the CUDA
+    paths of the backends in ``choices`` (``{op: backend}``, not checked for availability) for CPU tensors, so
+    that their fake implementations report what those kernels return and keep for backward. Their bodies must
+    never run: use it under ``FakeTensorMode`` only."""
+    global _PLAN_AS_CUDA
+    saved = _PLAN_AS_CUDA, {op: _REGISTRY[op].selected for op in choices}
+    _PLAN_AS_CUDA = True
+    for op, name in choices.items():
+        _REGISTRY[op].selected = name
+    try:
+        yield
+    finally:
+        _PLAN_AS_CUDA = saved[0]
+        for op, name in saved[1].items():
+            _REGISTRY[op].selected = name
+
+
+def on_cuda(t) -> bool:
+    """Whether ``t`` takes the CUDA kernels (it is a CUDA tensor, or plan_as_cuda is active)."""
+    return t.is_cuda or _PLAN_AS_CUDA
+
+
 def cuda_available() -> str | None:
     import torch
 

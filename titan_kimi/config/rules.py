@@ -38,6 +38,12 @@ def lora_is_not_built(cfg: JobConfig, source_of: SourceOf) -> None:
                       "Remove it to train all weights (the indexer stays frozen with model.freeze_indexer)")
 
 
+def activation_estimate_is_a_dry_run(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.job.estimate_activations and not cfg.job.dry_run:
+        raise _reject(cfg, "job.estimate_activations", source_of, "is measured by a dry run only",
+                      "false, or job.dry_run = true as well")
+
+
 def schedule_fits_in_training(cfg: JobConfig, source_of: SourceOf) -> None:
     steps, sched = cfg.training.steps, cfg.lr_scheduler
     if sched.warmup_steps > steps:
@@ -81,11 +87,13 @@ def batch_shapes_divide(cfg: JobConfig, source_of: SourceOf) -> None:
     if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
         raise _reject(cfg, "parallelism.pipeline_parallel_microbatch_size", source_of,
                       f"does not divide {local}", f"a divisor of {t.local_batch_size}")
-    if t.seq_len % p.context_parallel_degree:
+    chunks = p.context_parallel_degree * (2 if p.context_parallel_layout == "zigzag" else 1)
+    if p.context_parallel_degree > 1 and t.seq_len % chunks:
         raise _reject(cfg, "training.seq_len", source_of,
-                      "cannot be split evenly over "
-                      + _other(cfg, "parallelism.context_parallel_degree", source_of),
-                      f"a multiple of {p.context_parallel_degree}")
+                      f"cannot be cut into {chunks} equal chunks for "
+                      + _other(cfg, "parallelism.context_parallel_degree", source_of) + " with "
+                      + _other(cfg, "parallelism.context_parallel_layout", source_of),
+                      f"a multiple of {chunks}")
     if p.data_parallel_shard_degree != -1:
         _experts_fit(cfg, p.data_parallel_shard_degree, source_of)
 
@@ -204,6 +212,7 @@ def _is_a_checkpoint(cfg: JobConfig, source_of: SourceOf) -> None:
 
 RULES: tuple[Rule, ...] = (
     lora_is_not_built,
+    activation_estimate_is_a_dry_run,
     schedule_fits_in_training,
     selective_ac_option_is_known,
     compile_has_components,

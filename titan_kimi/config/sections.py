@@ -26,6 +26,9 @@ class Job:
         False, "use deterministic algorithms (slower; for debugging and parity tests)")
     dry_run: bool = option(
         False, "validate the config, build the model and parallelism plan, then exit without training")
+    estimate_activations: bool = option(
+        False, "with job.dry_run: also measure each pipeline rank's peak activation memory at the configured "
+        "shapes (one forward + backward on fake tensors, no memory used; tens of seconds per stage)")
     world_size: int = option(
         0, "number of ranks; 0 = take it from the launcher (WORLD_SIZE)", bounds=at_least(0))
     print_config: bool = option(False, "print the resolved config as TOML at start")
@@ -107,7 +110,13 @@ class Parallelism:
         hint="Tensor parallelism is not supported: the model owns context parallelism "
              "(parallelism.context_parallel_degree) and shards experts with parallelism.expert_parallel_degree")
     context_parallel_degree: int = option(
-        1, "context parallelism over the sequence (KDA, MLA and the indexer)", bounds=at_least(1))
+        1, "context parallelism: ranks that split every sequence (KDA, MLA and the indexer); they read the same "
+        "batch and share the FSDP mesh", bounds=at_least(1))
+    context_parallel_layout: str = option(
+        "zigzag", "how a sequence is split over the context-parallel ranks: zigzag = 2 x degree chunks, rank r "
+        "holding chunks r and 2 x degree - 1 - r (balances causal attention, whose cost grows along the "
+        "sequence); contiguous = one chunk per rank in order. seq_len must divide into the chunks",
+        choices=("zigzag", "contiguous"))
     pipeline_parallel_degree: int = option(
         1, "pipeline stages (split at AttnRes block boundaries)", bounds=at_least(1))
     pipeline_parallel_schedule: str = option(

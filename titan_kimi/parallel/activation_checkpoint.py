@@ -8,11 +8,13 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import lowerings.ops  # noqa: F401 - registers the torch.ops.titan_kimi ops named below
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 
 # Outputs worth keeping: the token mixers and expert GEMMs are the expensive ops to recompute.
 _ALWAYS_SAVE = {
     torch.ops.titan_kimi.kda.default,
+    torch.ops.titan_kimi.kda_cp.default,
     torch.ops.titan_kimi.sparse_mla.default,
     torch.ops.titan_kimi.indexer_topk.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,

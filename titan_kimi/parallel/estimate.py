@@ -1,8 +1,10 @@
 """Per-rank parameter and memory estimate of a layout (the dry run prints it; built on the meta device).
 
 Counted: this rank's shard of the parameters, their gradients and the Adam moments, plus the gathered weights
-of the two largest FSDP units in flight (one computing, one prefetched). Not counted: activations (they depend
-on activation checkpointing, sequence length and microbatching), communication buffers, the allocator's slack.
+of the two largest FSDP units in flight (one computing, one prefetched). Activations only on request
+(``job.estimate_activations``): measured on fake tensors by ``titan_kimi.parallel.activation_estimate``, for one
+(micro)batch per stage (pipeline schedules keep several in flight on early stages). Not counted: communication
+buffers, the allocator's slack.
 """
 
 from __future__ import annotations
@@ -46,8 +48,23 @@ def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range
     return int(params), states / 2**30, in_flight / 2**30
 
 
-def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout) -> list[str]:
-    """One line per pipeline rank (all ranks of one pipeline rank hold the same shapes)."""
+def _activations(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, ranges) -> tuple[float, float]:
+    from titan_kimi.parallel.activation_estimate import estimate_activations
+
+    rows = layout.microbatch_size if layout.pipeline is not None else cfg.training.local_batch_size
+    ac = cfg.activation_checkpoint
+    acts = scores = 0.0
+    for layer_range in ranges:
+        est = estimate_activations(args, rows=rows, seq_len=cfg.training.seq_len, cp=layout.cp,
+                                   cp_layout=layout.cp_layout, layer_range=layer_range, ac_mode=ac.mode,
+                                   ac_option=ac.selective_ac_option)
+        acts, scores = acts + est["activations"], max(scores, est["indexer_scores"])
+    return acts, scores
+
+
+def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, *, activations: bool = False) -> list[str]:
+    """One line per pipeline rank (all ranks of one pipeline rank hold the same shapes); with ``activations``,
+    a second line with the measured activation peak and the total."""
     plan = layout.pipeline
     ranks = range(plan.pp) if plan is not None else [0]
     lines = []
@@ -61,4 +78,14 @@ def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout) -> list[s
         lines.append(f"{where}: {params / 1e9:.3f} B params per rank, {states:.1f} GiB params + grads + Adam "
                      f"moments, + {flight:.1f} GiB gathered weights in flight = {states + flight:.1f} GiB "
                      f"(activations not included)")
+        if activations:
+            acts, scores = _activations(cfg, args, layout, ranges)
+            t = cfg.training
+            rows = layout.microbatch_size if plan is not None else t.local_batch_size
+            cp = f"cp {layout.cp} {layout.cp_layout}" if layout.cp > 1 else "cp 1"
+            lines.append(
+                f"{where}: activations {acts:.3g} GiB for {rows} x {t.seq_len // layout.cp} local tokens of "
+                f"{t.seq_len} ({cp}, activation_checkpoint {cfg.activation_checkpoint.mode}"
+                f"{', one microbatch per stage' if plan is not None else ''}) + indexer score chunk <= "
+                f"{scores:.3g} GiB -> peak about {states + flight + acts + scores:.3g} GiB per rank")
     return lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowerings.ops.sequence_shards import num_chunks
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 
@@ -20,6 +21,7 @@ class ParallelLayout:
     ep: int
     pipeline: PipelinePlan | None = None  # set when pp > 1
     microbatch_size: int = 1  # sequences per pipeline microbatch
+    cp_layout: str = "zigzag"  # how each sequence is split over the cp ranks (lowerings.ops.sequence_shards)
 
     @property
     def dp(self) -> int:
@@ -37,8 +39,9 @@ class ParallelLayout:
         return self.fsdp // self.ep
 
     def describe(self) -> str:
+        cp = f"cp {self.cp} ({self.cp_layout})" if self.cp > 1 else "cp 1"
         text = (f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
-                f"cp {self.cp} x pp {self.pp}; ep {self.ep} x efsdp {self.efsdp} inside dp_shard x cp")
+                f"{cp} x pp {self.pp}; ep {self.ep} x efsdp {self.efsdp} inside dp_shard x cp")
         if self.pipeline is not None:
             p = self.pipeline
             text += (f"; {p.schedule}, {p.num_stages} stages ({p.stages_per_rank} per rank), microbatches of "
@@ -46,7 +49,8 @@ class ParallelLayout:
         return text
 
 
-def resolve_layout(par, world_size: int, args: KimiK3ModelArgs, *, local_batch_size: int = 1) -> ParallelLayout:
+def resolve_layout(par, world_size: int, args: KimiK3ModelArgs, *, local_batch_size: int = 1,
+                   seq_len: int | None = None) -> ParallelLayout:
     """Resolve ``-1`` degrees and check what depends on the model: experts per EP rank, the pipeline's stages
     (whole AttnRes blocks) and its microbatches. Each error names the numbers and what would divide."""
     rep, cp, pp, ep = (par.data_parallel_replicate_degree, par.context_parallel_degree,
@@ -71,6 +75,8 @@ def resolve_layout(par, world_size: int, args: KimiK3ModelArgs, *, local_batch_s
         raise ValueError(
             f"parallelism.expert_parallel_degree = {ep} must divide data_parallel_shard x context_parallel = "
             f"{shard} x {cp} = {shard * cp}, the ranks experts are spread over")
+    if cp > 1:
+        _check_context_parallel(args, cp, par.context_parallel_layout, seq_len)
     plan = None
     mb = par.pipeline_parallel_microbatch_size
     if pp > 1:
@@ -83,15 +89,21 @@ def resolve_layout(par, world_size: int, args: KimiK3ModelArgs, *, local_batch_s
         raise ValueError(
             f"parallelism.pipeline_parallel_split = {list(par.pipeline_parallel_split)} needs "
             f"pipeline_parallel_degree > 1 (it is {pp}); valid: [] without pipeline parallelism")
-    return ParallelLayout(world_size, rep, shard, cp, pp, ep, plan, mb)
+    return ParallelLayout(world_size, rep, shard, cp, pp, ep, plan, mb, par.context_parallel_layout)
 
 
-def reject_unbuilt(layout: ParallelLayout) -> None:
-    """Context parallelism passes ``--job.dry_run`` only, until it is built."""
-    if layout.cp > 1:
+def _check_context_parallel(args: KimiK3ModelArgs, cp: int, layout: str, seq_len: int | None) -> None:
+    """Each rank's pieces of a sequence must hold the W-1 rows a KDA short convolution reads before a token
+    (they come from the previous piece only)."""
+    chunks = num_chunks(layout, cp)  # that seq_len divides into them is a config rule (batch_shapes_divide)
+    if seq_len is None:
+        return
+    window = args.kda_conv_size - 1
+    if seq_len // chunks < window:
         raise ValueError(
-            f"parallelism.context_parallel_degree = {layout.cp}: context parallelism is not built yet; set it to 1 "
-            f"to train (data, expert and pipeline parallelism are), or use --job.dry_run to validate the layout")
+            f"training.seq_len = {seq_len} over context_parallel_degree {cp} ({layout}) gives pieces of "
+            f"{seq_len // chunks} tokens, shorter than the {window} earlier tokens a KDA short convolution "
+            f"reads; valid: seq_len >= {chunks * window}, fewer ranks, or the contiguous layout")
 
 
 def _check_microbatches(plan: PipelinePlan, local_batch_size: int, microbatch_size: int) -> None:

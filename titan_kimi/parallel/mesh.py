@@ -54,6 +54,13 @@ class Meshes:
         mesh = self.optional("pp")
         return mesh.get_group() if mesh is not None else None
 
+    # ---------------------------------------------------------------- context parallelism
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split this rank's sequences (they read the same batch); None without CP."""
+        mesh = self.optional("cp")
+        return mesh.get_group() if mesh is not None else None
+
     # ---------------------------------------------------------------- parameters
     @property
     def dense(self) -> DeviceMesh | None:

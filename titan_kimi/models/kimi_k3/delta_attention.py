@@ -68,27 +68,31 @@ class KimiDeltaAttention(nn.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
+    def _conv(self, conv: ShortConv, pre: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
+        halo = None
+        if seq.exchange is not None and conv.kernel_size > 1:
+            halo = seq.exchange.previous_rows(pre, conv.kernel_size - 1)  # the window reaches the previous rank
+        return conv(pre, seq.pos_in_seg, halo)
+
     def forward(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
         B, S, _ = x.shape
         H, d = self.num_heads, self.head_dim
-        q = self.q_conv1d(self.q_proj(x), seq.pos_in_seg).view(B, S, H, d)
-        k = self.k_conv1d(self.k_proj(x), seq.pos_in_seg).view(B, S, H, d)
-        v = self.v_conv1d(self.v_proj(x), seq.pos_in_seg).view(B, S, H, d)
+        q = self._conv(self.q_conv1d, self.q_proj(x), seq).view(B, S, H, d)
+        k = self._conv(self.k_conv1d, self.k_proj(x), seq).view(B, S, H, d)
+        v = self._conv(self.v_conv1d, self.v_proj(x), seq).view(B, S, H, d)
         u = self.f_b_proj(self.f_a_proj(x)).view(B, S, H, d)
         beta = torch.sigmoid(self.b_proj(x).float())
         A_log, dt_bias = self.decay()
-        if seq.packed:
-            # Packed documents run as one varlen sequence; the op resets the state at every cu_seqlens entry.
-            q, k, v, u, beta = (t.reshape(1, B * S, *t.shape[2:]) for t in (q, k, v, u, beta))
-        o, _ = ops.kda(
-            q, k, v, u, beta,
-            scale=1.0 / math.sqrt(d),
-            A_log=A_log,
-            dt_bias=dt_bias,
-            lower_bound=self.lower_bound,
-            cu_seqlens=seq.cu_seqlens,
-            l2norm_qk=True,
-        )
+        kda_args = dict(scale=1.0 / math.sqrt(d), A_log=A_log, dt_bias=dt_bias, lower_bound=self.lower_bound,
+                        l2norm_qk=True)
+        if seq.exchange is not None:
+            # context parallelism: the recurrent state enters from the earlier pieces of each row
+            o = seq.exchange.kda(q, k, v, u, beta, **kda_args)
+        else:
+            if seq.packed:
+                # Packed documents run as one varlen sequence; the op resets the state at every cu_seqlens entry.
+                q, k, v, u, beta = (t.reshape(1, B * S, *t.shape[2:]) for t in (q, k, v, u, beta))
+            o, _ = ops.kda(q, k, v, u, beta, cu_seqlens=seq.cu_seqlens, **kda_args)
         o = self.o_norm(o.reshape(B, S, H, d), self._output_gate(x).view(B, S, H, d))
         return self.o_proj(o.reshape(B, S, H * d))
 

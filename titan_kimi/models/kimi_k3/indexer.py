@@ -36,9 +36,28 @@ class Indexer(nn.Module):
         # Hard top-k passes no gradient: the indexer never shapes the graph of the main model.
         x, q_latent = x.detach(), q_latent.detach()
         q = self.wq_b(q_latent).view(T, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x)).view(T, self.head_dim)
+        k = self.k_norm(self.wk(x))
         w = self.weights_proj(x).float().view(T, self.n_heads) * (self.n_heads**-0.5)
-        return ops.indexer_topk(q, k, w, seq.flat_seg_start, topk=self.topk, scale=1.0 / math.sqrt(self.head_dim))
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if seq.exchange is None:
+            return ops.indexer_topk(q, k.view(T, self.head_dim), w, seq.flat_seg_start, topk=self.topk, scale=scale)
+        return self._context_parallel(q, k, w, seq, scale)
+
+    def _context_parallel(self, q, k, w, seq: SequenceInfo, scale: float) -> torch.Tensor:
+        """Each local piece of each row scores the whole row's keys from its global position: the top-k runs
+        over global key indices, document-causal across ranks; the scores stay chunked inside the op."""
+        ex = seq.exchange
+        B, S = seq.batch, seq.seq_len
+        keys = ex.gather(k)  # [B, global_len, D]
+        piece = S // len(ex.part_starts)
+        out = []
+        for b in range(B):
+            for p, start in enumerate(ex.part_starts):
+                rows = slice(b * S + p * piece, b * S + (p + 1) * piece)
+                idx = ops.indexer_topk(q[rows], keys[b], w[rows], seq.seg_start[b, p * piece:(p + 1) * piece],
+                                       topk=self.topk, scale=scale, q_offset=start)
+                out.append(torch.where(idx >= 0, idx + b * ex.global_len, idx))  # flat over all rows' keys
+        return torch.cat(out, dim=0)
 
     def init_weights(self) -> None:
         for linear in (self.wq_b, self.wk, self.weights_proj):

@@ -53,6 +53,11 @@ class GatedMLA(nn.Module):
         q = q.view(B, S, n, self.qk_dim)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
+        if seq.exchange is not None:
+            # Context parallelism: only the compressed latent [c_kv | k_rope] (576 wide in K3) crosses ranks;
+            # queries stay local and keys are expanded from the whole row's latent.
+            latent = seq.exchange.gather(torch.cat([c_kv, k_rope], dim=-1))
+            c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope], dim=-1)
         if self.indexer is None:
             out = self._dense_attention(q, c_kv, k_rope, seq)
         else:
@@ -63,10 +68,11 @@ class GatedMLA(nn.Module):
         return self.o_proj(out)
 
     def _dense_attention(self, q, c_kv, k_rope, seq: SequenceInfo) -> torch.Tensor:
-        B, S, n, _ = q.shape
-        k_nope, v = self.kv_b_proj(c_kv).view(B, S, n, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, S, n, self.rope)], dim=-1)
-        return ops.causal_attention(q, k, v, scale=self.scale, seg_start=seq.seg_start)
+        B, _, n, _ = q.shape
+        Sk = c_kv.shape[1]  # the whole row's keys under context parallelism, else the queries' own
+        k_nope, v = self.kv_b_proj(c_kv).view(B, Sk, n, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, Sk, n, self.rope)], dim=-1)
+        return ops.causal_attention(q, k, v, scale=self.scale, seg_start=seq.seg_start, q_positions=seq.positions)
 
     def _sparse_attention(self, q, c_kv, k_rope, indices: torch.Tensor) -> torch.Tensor:
         B, S, n, _ = q.shape
@@ -76,7 +82,7 @@ class GatedMLA(nn.Module):
         q_nope, q_rope = q.view(T, n, self.qk_dim).split([self.nope, self.rope], dim=-1)
         # q_nope . (W_k c) == (W_k^T q_nope) . c: queries move into the latent space instead of keys leaving it.
         q_latent = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_k), q_rope], dim=-1)
-        kv_latent = torch.cat([c_kv, k_rope], dim=-1).view(T, self.kv_lora_rank + self.rope)
+        kv_latent = torch.cat([c_kv, k_rope], dim=-1).view(-1, self.kv_lora_rank + self.rope)  # all rows' keys
         out_latent, _ = ops.sparse_mla(q_latent, kv_latent, indices, scale=self.scale, d_v=self.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_latent, w_v).view(B, S, n, self.v_dim)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 
@@ -43,6 +45,10 @@ class KimiK3Model(nn.Module):
             self.output = LMHead(args.dim, args.vocab_size)
         else:
             self.output_mix = self.norm = self.output = None
+        # Builds the per-forward document structure from doc_ids: (batch, seq_len, device, doc_ids) ->
+        # SequenceInfo. Context parallelism replaces it from outside (titan_kimi.parallel.context_parallel) with
+        # one that takes the whole rows' doc_ids and describes this rank's share of the tokens.
+        self.build_sequence: Callable[..., SequenceInfo] = build_sequence_info
 
     def forward(
         self,
@@ -74,7 +80,7 @@ class KimiK3Model(nn.Module):
             hidden = x
         B, S = hidden.shape[:2]
         if seq is None:
-            seq = build_sequence_info(B, S, hidden.device, doc_ids)
+            seq = self.build_sequence(B, S, hidden.device, doc_ids)
         for layer in self.layers.values():
             hidden, bank = layer(hidden, bank, seq)
         if not self.is_last:

@@ -3,14 +3,45 @@
 ``doc_ids [B,S]`` (0 = padding, 1.. = documents) becomes segments: runs of equal id within a row, padding
 runs included. Segments tile the batch, so KDA resets its state and conv window at every segment start and
 attention stays inside a segment: padding never influences real tokens.
+
+When the rows are split over ranks (context parallelism), the parallel layer builds the SequenceInfo of this
+rank's tokens (``titan_kimi.parallel.context_parallel``): positions and segment starts are then global (the
+whole row's), and ``exchange`` reaches the tokens other ranks hold. Layers ask it for the three things they
+need from the rest of the sequence; the model itself never communicates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch._dynamo
+
+
+class SequenceExchange(Protocol):
+    """The rest of the sequence, for a rank that holds P equal pieces of every row, in local order.
+
+    ``global_len`` is the whole row's length and ``part_starts`` the global position of each of the P pieces.
+    """
+
+    global_len: int
+    part_starts: tuple[int, ...]
+
+    def previous_rows(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """``x [B,S,C]`` -> ``[B,P,n,C]``: the n rows before each local piece in the whole row (zeros at its start)."""
+        ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B,S,C]`` -> ``[B,global_len,C]``: every rank's rows in sequence order (differentiable)."""
+        ...
+
+    def kda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+            scale: float, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
+            l2norm_qk: bool) -> torch.Tensor:
+        """The ``ops.kda`` contract over ``[B,S,...]`` local rows, with the recurrent state carried in from the
+        earlier pieces of each row; returns o ``[B,S,H,V]``."""
+        ...
 
 
 @dataclass
@@ -21,6 +52,10 @@ class SequenceInfo:
     seg_start: torch.Tensor | None = None  # [B,S] int32 row-local segment start; None = one sequence per row
     pos_in_seg: torch.Tensor | None = None  # [B,S] int32 position inside the segment
     cu_seqlens: torch.Tensor | None = None  # [N+1] int32 over the flattened tokens
+    # Context parallelism (None without): global positions [B,S] of the local tokens and the exchange. Then
+    # seg_start, pos_in_seg and flat_seg_start are global (flat over the whole rows), and so is cu_seqlens.
+    positions: torch.Tensor | None = None
+    exchange: SequenceExchange | None = None
 
     @property
     def packed(self) -> bool:
