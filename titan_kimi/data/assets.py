@@ -11,3 +11,6 @@ SAMPLE_HELLASWAG_PATH = ASSETS_DIR / "data" / "sample_hellaswag.jsonl"
 # Their validation splits (no document or context of the training files), for data.validation_path = "".
 SAMPLE_TEXT_VALIDATION_PATH = ASSETS_DIR / "data" / "sample_text_validation.jsonl"
 SAMPLE_HELLASWAG_VALIDATION_PATH = ASSETS_DIR / "data" / "sample_hellaswag_validation.jsonl"
+# Our own generated image-text sample in the MedPix-VQA schema (scripts/make_sample_medpix.py).
+SAMPLE_MEDPIX_PATH = ASSETS_DIR / "data" / "sample_medpix" / "sample_medpix.jsonl"
+SAMPLE_MEDPIX_VALIDATION_PATH = ASSETS_DIR / "data" / "sample_medpix" / "sample_medpix_validation.jsonl"

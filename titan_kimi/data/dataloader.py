@@ -24,6 +24,7 @@ import numpy as np
 
 from titan_kimi.data.batch import Batch, collate
 from titan_kimi.data.datasets import MapDataset, build_dataset
+from titan_kimi.data.image_processor import ImageProcessor
 from titan_kimi.data.tokenizer import KimiTokenizer
 
 STATE_VERSION = 2
@@ -51,6 +52,7 @@ class ShardedDataLoader:
         if local_batch_size < 1:
             raise ValueError(f"local_batch_size must be >= 1, got {local_batch_size}")
         self.dataset = dataset
+        self.collate = getattr(dataset, "collate", collate)  # image-text datasets batch their images themselves
         self.name = name
         self.local_batch_size = local_batch_size
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
@@ -93,7 +95,7 @@ class ShardedDataLoader:
                 self._batch_in_epoch = 0
             start = self._batch_in_epoch * self.local_batch_size
             indices = self.rank_indices(self._epoch)[start : start + self.local_batch_size]
-            batch = collate([self.dataset[int(i)] for i in indices])
+            batch = self.collate([self.dataset[int(i)] for i in indices])
             self._batch_in_epoch += 1  # counted before the yield: a state saved after this batch resumes after it
             yield batch
             if not self.infinite and self._batch_in_epoch >= self.batches_per_epoch:
@@ -155,14 +157,16 @@ def build_dataloader(
     infinite: bool = True,
     vocab_size: int | None = None,
     split: str = "train",
+    image_processor: ImageProcessor | None = None,
 ) -> ShardedDataLoader:
     """Builds ``dataset_name`` (see datasets.py; ``path`` None = the shipped sample's ``split``) and shards it.
 
     Batches are ``{"input_ids": int64 [B,S], "labels": int64 [B,S] (shifted, -100 = no loss),
-    "doc_ids": int32 [B,S] (0 = padding)}`` with ``B = local_batch_size``, ``S = seq_len``.
+    "doc_ids": int32 [B,S] (0 = padding)}`` with ``B = local_batch_size``, ``S = seq_len``; ``medpix`` batches
+    add ``pixel_values [L, 3, 14, 14]`` and ``grid_thws [images, 3]`` (see medpix.py).
     """
     dataset = build_dataset(dataset_name, path, tokenizer, seq_len=seq_len, seed=seed, vocab_size=vocab_size,
-                            split=split)
+                            split=split, image_processor=image_processor)
     return ShardedDataLoader(
         dataset,
         local_batch_size=local_batch_size,
