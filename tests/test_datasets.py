@@ -286,7 +286,7 @@ def test_finite_loader_stops_at_the_epoch_end(tok):
 
 def test_loader_errors(tok, tmp_path):
     common = dict(seq_len=32, local_batch_size=2, dp_rank=0, dp_world_size=1, seed=0, shuffle=False)
-    valid = r"\['packed_text', 'hellaswag', 'synthetic'\]"
+    valid = r"\['packed_text', 'hellaswag', 'synthetic', 'medpix'\]"
     with pytest.raises(ValueError, match=rf"unknown dataset 'c4'; valid choices: {valid}"):
         build_dataloader("c4", None, tok, **common)
     with pytest.raises(ValueError, match="dataset path .*missing.jsonl.* for 'packed_text' is not a file"):
