@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,7 @@ def export_hf_checkpoint(
     base_config: dict[str, Any] | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``model`` as an HF checkpoint folder at ``path`` (all tensors in ``dtype``, experts optionally MXFP4).
 
@@ -70,7 +71,9 @@ def export_hf_checkpoint(
     at a time (every rank must call this); only rank 0 writes. ``base_config`` (e.g. the source checkpoint's
     config.json) keeps its non-text fields such as ``vision_config``. ``fp32_params_dtype`` exports the tensors
     the model keeps in fp32 (A_log, dt_bias, KDA convs, o_norm, router bias) in that dtype instead of ``dtype``
-    (e.g. torch.float32 to keep trained values exactly); by default everything is ``dtype``.
+    (e.g. torch.float32 to keep trained values exactly); by default everything is ``dtype``. ``tensors``
+    replaces ``model.state_dict()`` as what is written (e.g. ``titan_kimi.lora.merged_tensors(model)``: the
+    weights with their LoRA adapters merged).
     """
     args: KimiK3ModelArgs | None = getattr(model, "args", None)
     if not isinstance(args, KimiK3ModelArgs):
@@ -84,7 +87,7 @@ def export_hf_checkpoint(
     if fp32_params_dtype is not None:
         dtype_name(fp32_params_dtype)
     fp32_names = {canonical_fqn(n) for n in fp32_parameter_names(model)}
-    state = owned_state(model)
+    state = owned_state(model) if tensors is None else tensors
     with HFShardWriter(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                        enabled=global_rank() == 0) as writer:
         for done, (fqn, tensor) in enumerate(state.items(), 1):

@@ -50,6 +50,14 @@ _GATE_UP = {
     ),
 }
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
+# LoRA factors (``<module>.lora_A.weight``, ``<experts>.lora_B_w13``...) are not part of a base checkpoint: loads
+# leave them alone and exports write merged weights instead (titan_kimi.lora).
+ADAPTER_MARKER = ".lora_"
+
+
+def is_adapter_key(fqn: str) -> bool:
+    """Whether a model tensor name is a LoRA adapter factor."""
+    return ADAPTER_MARKER in f".{fqn}"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from titan_kimi.checkpoint.destinations import model_destinations
 from titan_kimi.checkpoint.hf_index import CONFIG_FILE, HFCheckpoint
-from titan_kimi.checkpoint.hf_keys import hf_key_names
+from titan_kimi.checkpoint.hf_keys import hf_key_names, is_adapter_key
 from titan_kimi.checkpoint.hf_plan import MXFP4, Read, plan_load
 from titan_kimi.checkpoint.model_identity import check_config_json
 from titan_kimi.checkpoint.mxfp4 import GROUP, decode_mxfp4
@@ -109,7 +109,7 @@ def load_hf_checkpoint(
 ) -> LoadReport:
     """Fill ``model``'s own tensors in place from the HF safetensors folder ``path``.
 
-    ``model`` may be the full model, a pipeline stage (``KimiK3Model(args, layer_range=...)``), an FSDP2/DTensor
+    ``model`` may be the full model (its LoRA adapters, if any, are left as they are), a pipeline stage (``KimiK3Model(args, layer_range=...)``), an FSDP2/DTensor
     sharded model, or hold only experts ``expert_range=(first, last)`` in its plain ``moe.experts.w13/w2``.
     Every needed key's presence, shape and dtype (and A_log's zero padding) is checked before anything is
     copied; on a problem a ValueError lists them and the model is unchanged. ``strict=False`` leaves model keys
@@ -122,7 +122,8 @@ def load_hf_checkpoint(
         raise ValueError(
             "load_hf_checkpoint needs the model args: pass args=KimiK3ModelArgs(...) or a model with .args"
         )
-    destinations = model_destinations(model, expert_range=expert_range, num_experts=args.num_experts)
+    destinations = [d for d in model_destinations(model, expert_range=expert_range, num_experts=args.num_experts)
+                    if not is_adapter_key(d.fqn)]  # LoRA factors are not in a base checkpoint
     with HFCheckpoint(path) as ckpt:
         config = ckpt.config()
         if check_config and config is not None:

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from lowerings import ops
+from titan_kimi.models.kimi_k3.weights import linear_weight
 
 
 class LMHead(nn.Module):
@@ -30,11 +31,12 @@ class LMHead(nn.Module):
         normalizer: torch.Tensor | float | None = None,
         chunk_size: int = 512,
     ) -> torch.Tensor:
+        weight = linear_weight(self)
         if labels is None:
-            return hidden @ self.weight.t()
+            return hidden @ weight.t()
         if normalizer is None:
             normalizer = (labels != ops.IGNORE_INDEX).sum()
-        return ops.chunked_linear_cross_entropy(hidden, self.weight, labels, normalizer=normalizer, chunk_size=chunk_size)
+        return ops.chunked_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer, chunk_size=chunk_size)
 
     def init_weights(self) -> None:
         std = 1.0 / math.sqrt(self.weight.shape[1])  # spec §14: truncated normal, std H^-1/2, cutoff 3 std

@@ -16,6 +16,7 @@ from titan_kimi.models.kimi_k3.indexer import Indexer
 from titan_kimi.models.kimi_k3.init import init_linear
 from titan_kimi.models.kimi_k3.norms import RMSNorm
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo
+from titan_kimi.models.kimi_k3.weights import linear_weight
 
 
 class GatedMLA(nn.Module):
@@ -77,7 +78,7 @@ class GatedMLA(nn.Module):
     def _sparse_attention(self, q, c_kv, k_rope, indices: torch.Tensor) -> torch.Tensor:
         B, S, n, _ = q.shape
         T = B * S
-        w_kv = self.kv_b_proj.weight.view(n, self.nope + self.v_dim, self.kv_lora_rank)
+        w_kv = linear_weight(self.kv_b_proj).view(n, self.nope + self.v_dim, self.kv_lora_rank)
         w_k, w_v = w_kv[:, : self.nope], w_kv[:, self.nope :]
         q_nope, q_rope = q.view(T, n, self.qk_dim).split([self.nope, self.rope], dim=-1)
         # q_nope . (W_k c) == (W_k^T q_nope) . c: queries move into the latent space instead of keys leaving it.

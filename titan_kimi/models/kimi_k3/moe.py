@@ -16,6 +16,7 @@ from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import init_linear
 from titan_kimi.models.kimi_k3.mlp import SituMLP
 from titan_kimi.models.kimi_k3.norms import RMSNorm
+from titan_kimi.models.kimi_k3.weights import linear_weight
 
 
 class Router(nn.Module):
@@ -33,7 +34,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, D]`` -> routing weights ``[T, k]`` (fp32) and expert indices ``[T, k]``."""
-        logits = x.float() @ self.gate.weight.float().t()
+        logits = x.float() @ linear_weight(self.gate).float().t()
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores.detach() + self.e_score_correction_bias.float()
         if self.num_groups > 1 and self.topk_groups < self.num_groups:
@@ -75,18 +76,20 @@ class GroupedExperts(nn.Module):
         # grouped_mm is not autocast-aware: follow the activations' dtype (a no-op under FSDP mixed precision).
         w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        matmul = _grouped_mm if x.dtype == torch.bfloat16 or not torch.compiler.is_compiling() else _masked_mm
-        h = matmul(x, w13.transpose(-2, -1), offsets)
+        h = expert_matmul(x, w13.transpose(-2, -1), offsets)
         h = ops.situ_glu(h, self.beta, self.beta_lin)
-        return matmul(h, w2.transpose(-2, -1), offsets)
+        return expert_matmul(h, w2.transpose(-2, -1), offsets)
 
     def init_weights(self) -> None:
         nn.init.normal_(self.w13, mean=0.0, std=self.init_std)
         nn.init.normal_(self.w2, mean=0.0, std=self.init_std)
 
 
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(x, w, offs=offsets)
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM: the rows of expert e (``offsets`` = cumulative row counts) times ``w[e]`` ``[E, K, N]``."""
+    if x.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
+        return torch._grouped_mm(x, w, offs=offsets)
+    return _masked_mm(x, w, offsets)
 
 
 def _masked_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
