@@ -109,6 +109,10 @@ def export_hf_checkpoint(
             torch_dtype=dtype_label,
             quantization_config=MXFP4_QUANTIZATION_CONFIG if mxfp4_experts else None,
         )
+        vision = getattr(model, "vision_args", None)
+        if vision is not None and "vision_config" not in config:  # an image-text model: its tower's config too
+            config["vision_config"] = vision.hf_config(text_hidden_size=args.dim)
+            config["media_placeholder_token_id"] = vision.media_placeholder_token_id
         out = writer.commit({"config.json": config})
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

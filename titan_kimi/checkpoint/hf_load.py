@@ -50,6 +50,19 @@ def expected_hf_keys(args: KimiK3ModelArgs) -> frozenset[str]:
     return _EXPECTED_CACHE[cache_key]
 
 
+def expected_vision_keys(model: nn.Module) -> frozenset[str] | None:
+    """The tower and projector keys of an image-text model (its ``vision_args``); None for a text model."""
+    vision = getattr(model, "vision_args", None)
+    if vision is None:
+        return None
+    from titan_kimi.models.kimi_k3.projector import PatchMergerMLP
+    from titan_kimi.models.kimi_k3.vision import VisionTower
+
+    with torch.device("meta"):
+        tower, projector = VisionTower(vision), PatchMergerMLP(vision, model.args.dim)
+    return frozenset([f"vision_tower.{k}" for k in tower.state_dict()] + [f"mm_projector.{k}" for k in projector.state_dict()])
+
+
 def run_read(ckpt: HFCheckpoint, read: Read, local: torch.Tensor) -> None:
     """Copy one planned read into ``local`` (the destination's local tensor, or a stand-in of the same shape)."""
     view = local[read.dst]
@@ -131,6 +144,7 @@ def load_hf_checkpoint(
         plan = plan_load(
             ckpt, destinations,
             fp32_names=fp32_parameter_names(model), expected_keys=expected_hf_keys(args), strict=strict,
+            expected_vision_keys=expected_vision_keys(model),
         )
         execute_reads(ckpt, plan.reads, {d.fqn: d.local for d in destinations}, progress=progress)
         return LoadReport(
@@ -143,4 +157,4 @@ def load_hf_checkpoint(
         )
 
 
-__all__ = ["LoadReport", "execute_reads", "expected_hf_keys", "load_hf_checkpoint", "run_read"]
+__all__ = ["LoadReport", "execute_reads", "expected_hf_keys", "expected_vision_keys", "load_hf_checkpoint", "run_read"]

@@ -214,10 +214,14 @@ def plan_load(
     fp32_names: AbstractSet[str],
     expected_keys: AbstractSet[str] | None,
     strict: bool = True,
+    expected_vision_keys: AbstractSet[str] | None = None,
 ) -> LoadPlan:
     """Validate and plan filling ``destinations`` from ``ckpt``; raises one ValueError listing every problem.
 
     ``expected_keys`` are all HF keys a full model of this configuration may own (for the unexpected-key check).
+    ``expected_vision_keys``, for an image-text model, are those of its tower and projector: other vision keys
+    are unexpected (a tower of another depth); without it every vision key the model does not own is skipped
+    (a text model reading an image-text checkpoint).
     """
     planner, plan = _Planner(ckpt, fp32_names), LoadPlan()
     missing_errors: list[str] = []
@@ -268,7 +272,9 @@ def plan_load(
     owned_passthrough = {d.fqn for d in destinations if d.fqn.startswith(PASSTHROUGH_PREFIXES)}
     for key in ckpt.keys():
         if key.startswith(PASSTHROUGH_PREFIXES):
-            if key not in owned_passthrough:
+            if expected_vision_keys is not None and key not in expected_vision_keys:
+                plan.unexpected.append(key)
+            elif key not in owned_passthrough:
                 plan.skipped.append(key)
         elif expected_keys is not None and (not key.startswith(TEXT_PREFIX) or key not in expected_keys):
             plan.unexpected.append(key)

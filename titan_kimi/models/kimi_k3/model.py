@@ -58,9 +58,12 @@ class KimiK3Model(nn.Module):
         doc_ids: torch.Tensor | None = None,
         seq: SequenceInfo | None = None,
         return_hidden: bool = False,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Positional stage I/O, as pipeline stages receive it: the first stage takes ``x = tokens [B,S]``; a
-        later stage takes ``x = hidden [B,S,H]`` and ``bank [B*S,m,H]`` from the stage before.
+        later stage takes ``x = hidden [B,S,H]`` and ``bank [B*S,m,H]`` from the stage before. Instead of tokens,
+        the first stage takes ``inputs_embeds [B,S,H]`` (with ``x = None``): the image-text model's merged text
+        and image embeddings.
 
         ``doc_ids [B,S]`` (0 = padding) makes attention document-causal and resets KDA at each document.
         A stage that is not last returns ``(hidden, bank)``. The last stage returns logits ``[B,S,V]``, or with
@@ -68,10 +71,17 @@ class KimiK3Model(nn.Module):
         chunk by chunk (``titan_kimi.training.loss``) so that ``[B,S,V]`` logits never exist.
         """
         if self.is_first:
-            if x is None or x.is_floating_point():
-                raise ValueError("the first stage takes token ids [B, S] (an integer tensor)")
-            hidden = self.tok_embeddings(x)
+            if inputs_embeds is not None:
+                if x is not None:
+                    raise ValueError("the first stage takes token ids or inputs_embeds, not both")
+                hidden = inputs_embeds
+            elif x is None or x.is_floating_point():
+                raise ValueError("the first stage takes token ids [B, S] (an integer tensor) or inputs_embeds")
+            else:
+                hidden = self.tok_embeddings(x)
             bank = hidden.new_empty(hidden.shape[0] * hidden.shape[1], 0, hidden.shape[2])
+        elif inputs_embeds is not None:
+            raise ValueError(f"inputs_embeds go to the first stage; this stage starts at layer {self.first_layer}")
         elif x is None or bank is None:
             raise ValueError(
                 f"a stage starting at layer {self.first_layer} needs hidden and bank from the previous stage"
