@@ -12,7 +12,7 @@ import pytest
 from titan_kimi.config import (ConfigError, JobConfig, format_help, known_flavors, load_job_config,
                                to_dict, to_toml, validate_job_config)
 from titan_kimi.config.options import describe_config
-from titan_kimi.config.validation import FLAVORS_MODULE
+from titan_kimi.config.validation import FLAVORS_MODULE, VISION_FLAVORS_MODULE
 
 NO_LAUNCHER: dict[str, str] = {}  # keeps a WORLD_SIZE in the test environment out of the checks
 FAKE_FLAVORS = ["k3_debug", "k31_debug", "k3_small", "k31_small"]
@@ -27,6 +27,9 @@ def fake_flavor_registry(request, monkeypatch):
     registry = types.ModuleType(FLAVORS_MODULE)
     registry.flavor_names = lambda: list(FAKE_FLAVORS)
     monkeypatch.setitem(sys.modules, FLAVORS_MODULE, registry)
+    vision = types.ModuleType(VISION_FLAVORS_MODULE)
+    vision.vision_flavor_names = lambda: ["moonvit3d", "moonvit3d_debug"]
+    monkeypatch.setitem(sys.modules, VISION_FLAVORS_MODULE, vision)
 
 
 def load(*argv: str, environ: dict[str, str] | None = None) -> JobConfig:
@@ -242,8 +245,16 @@ BAD_CONFIGS = {
     "tensor_parallel": (None, ["--parallelism.tensor_parallel_degree", "2"],
                         ["parallelism.tensor_parallel_degree = 2", "command line", "exactly 1",
                          "Tensor parallelism is not supported", "context parallelism"]),
-    "lora_enabled": ("[lora]\nenable = true\n", [],
-                     ["lora.enable = true", "{toml}", "LoRA training is not built yet", "valid: false"]),
+    "lora_without_targets": ("[lora]\nenable = true\n", ["--lora.target_modules="],
+                             ["lora.target_modules = []", "command line", "adapts nothing"]),
+    "adapters_without_lora": (None, ["--lora.adapter_path", "."],
+                              ['lora.adapter_path = "."', "lora.enable = false", "lora.enable = true"]),
+    "medpix_without_vision": ('[data]\ndataset = "medpix"\n', [],
+                              ['model.vision_flavor = ""', 'data.dataset = "medpix"', "moonvit3d"]),
+    "unknown_vision_flavor": (None, ["--model.vision_flavor", "vit_huge"],
+                              ['model.vision_flavor = "vit_huge"', "not a known vision flavor", "moonvit3d_debug"]),
+    "image_bounds_reversed": (None, ["--data.image_min_pixels", "10000", "--data.image_max_pixels", "5000"],
+                              ["data.image_min_pixels = 10000", "data.image_max_pixels = 5000", "at most 5000"]),
     "missing_config_file": (None, ["--job.config_file", "/nonexistent/recipe.toml"],
                             ['job.config_file = "/nonexistent/recipe.toml"', "command line", "no such file",
                              "TOML recipe"]),
@@ -471,3 +482,20 @@ def test_checkpoint_keys_that_need_checkpointing_are_not_silently_ignored():
     with pytest.raises(ConfigError, match=r"checkpoint.last_save_in_hf = true .*: nothing is saved with checkpoint.enable"):
         load("--checkpoint.last_save_in_hf")
     assert load("--checkpoint.last_save_in_hf", "--checkpoint.enable", "--checkpoint.load_step", "5")
+
+
+def test_recipe_name_falls_back_to_train_configs(tmp_path, monkeypatch):
+    from titan_kimi.config.loader import REPO_RECIPES
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load("--job.config_file", "k31_debug.toml")
+    assert Path(cfg.job.config_file) == REPO_RECIPES / "k31_debug.toml"
+    assert cfg.model.flavor == "k31_debug" and cfg.training.steps == 50
+    (tmp_path / "train_configs").mkdir()
+    (tmp_path / "train_configs" / "k31_debug.toml").write_text("[training]\nsteps = 3\n")
+    assert load("--job.config_file", "k31_debug.toml").training.steps == 3  # the working folder's first
+    (tmp_path / "k31_debug.toml").write_text("[training]\nsteps = 4\n")
+    assert load("--job.config_file", "k31_debug.toml").training.steps == 4  # the path as given first of all
+    with pytest.raises(ConfigError, match=r"no such file \(looked in nope.toml, train_configs/nope.toml, .*"
+                                          r"train_configs/nope.toml\)"):
+        load("--job.config_file", "nope.toml")

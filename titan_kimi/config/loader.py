@@ -40,12 +40,45 @@ def load_job_config(argv: Sequence[str], *, environ: Mapping[str, str] | None = 
     cfg = JobConfig()
     sources: dict[str, str] = {}
     if command_line.config_file:
-        _apply_toml(cfg, read_toml(command_line.config_file), command_line.config_file, sources)
-        cfg.job.config_file = command_line.config_file
+        config_file = resolve_config_file(command_line.config_file)
+        _apply_toml(cfg, read_toml(config_file), config_file, sources)
+        cfg.job.config_file = config_file
         sources[CONFIG_FILE_KEY] = COMMAND_LINE
     _apply_overrides(cfg, command_line, sources)
     validate_job_config(cfg, sources, _launcher_world_size(os.environ if environ is None else environ))
     return cfg
+
+
+RECIPES_DIR = "train_configs"
+REPO_RECIPES = Path(__file__).resolve().parents[2] / RECIPES_DIR  # the checkout's recipes, wherever we run
+
+
+def recipe_places(path: str) -> list[Path]:
+    """Where ``--job.config_file path`` is looked for, in order: as given, then (for a relative path)
+    ``train_configs/<path>`` in the working folder and in the titan_kimi checkout."""
+    given = Path(path)
+    places = [given]
+    if not given.is_absolute():
+        places += [Path(RECIPES_DIR) / given, REPO_RECIPES / given]
+    unique: list[Path] = []
+    for place in places:
+        if place.resolve() not in {p.resolve() for p in unique}:
+            unique.append(place)
+    return unique
+
+
+def resolve_config_file(path: str) -> str:
+    """The recipe ``--job.config_file`` names (``k31.toml`` finds ``train_configs/k31.toml``); a ConfigError
+    naming every place looked in when none holds it."""
+    places = recipe_places(path)
+    for place in places:
+        if place.is_file():
+            return str(place)
+    if len(places) == 1:
+        return path  # read_toml reports it
+    looked = ", ".join(str(p) for p in places)
+    raise bad_value(CONFIG_FILE_KEY, path, COMMAND_LINE, f"no such file (looked in {looked})",
+                    "a path to a TOML recipe, e.g. train_configs/<recipe>.toml or just <recipe>.toml")
 
 
 def read_toml(path: str) -> dict[str, Any]:

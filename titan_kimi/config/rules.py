@@ -32,10 +32,28 @@ def _other(cfg: JobConfig, key: str, source_of: SourceOf) -> str:
     return mention(key, _get(cfg, key), source_of(key))
 
 
-def lora_is_not_built(cfg: JobConfig, source_of: SourceOf) -> None:
-    if cfg.lora.enable:
-        raise _reject(cfg, "lora.enable", source_of, "LoRA training is not built yet in titan_kimi", "false",
-                      "Remove it to train all weights (the indexer stays frozen with model.freeze_indexer)")
+def lora_settings_need_lora(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.lora.enable and not cfg.lora.target_modules:
+        raise _reject(cfg, "lora.target_modules", source_of, "adapts nothing", "group names such as "
+                      "attention|mlp|shared_experts|experts, module-name globs or bare module names")
+    if cfg.lora.adapter_path and not cfg.lora.enable:
+        raise _reject(cfg, "lora.adapter_path", source_of,
+                      f"adapters are only loaded with {_other(cfg, 'lora.enable', source_of)}",
+                      "\"\", or lora.enable = true")
+
+
+def medpix_needs_a_vision_tower(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.data.dataset == "medpix" and not cfg.model.vision_flavor and not cfg.model.hf_config_path:
+        raise _reject(cfg, "model.vision_flavor", source_of,
+                      f"{_other(cfg, 'data.dataset', source_of)} is image-text data, and a text model has no "
+                      "vision tower", "moonvit3d|moonvit3d_debug, or a model.hf_config_path with a vision_config")
+
+
+def image_pixel_bounds_are_ordered(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.data.image_min_pixels > cfg.data.image_max_pixels:
+        raise _reject(cfg, "data.image_min_pixels", source_of,
+                      f"is above {_other(cfg, 'data.image_max_pixels', source_of)}",
+                      f"at most {cfg.data.image_max_pixels}")
 
 
 def activation_estimate_is_a_dry_run(cfg: JobConfig, source_of: SourceOf) -> None:
@@ -162,8 +180,10 @@ def optimizer_implementation_fits(cfg: JobConfig, source_of: SourceOf) -> None:
 
 
 def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
-    wanted = (("model.hf_config_path", "file"), ("model.tokenizer_path", "dir"), ("data.path", "file"),
-              ("data.validation_path", "file"), ("checkpoint.initial_load_path", "dir"))
+    data_kind = "any" if cfg.data.dataset == "medpix" else "file"  # medpix also reads parquet / datasets folders
+    wanted = (("model.hf_config_path", "file"), ("model.tokenizer_path", "dir"), ("data.path", data_kind),
+              ("data.validation_path", data_kind), ("checkpoint.initial_load_path", "dir"),
+              ("lora.adapter_path", "any"))
     for key, kind in wanted:
         value = _get(cfg, key)
         description, is_right_kind = _PATH_KINDS[kind]
@@ -211,7 +231,9 @@ def _is_a_checkpoint(cfg: JobConfig, source_of: SourceOf) -> None:
 
 
 RULES: tuple[Rule, ...] = (
-    lora_is_not_built,
+    lora_settings_need_lora,
+    medpix_needs_a_vision_tower,
+    image_pixel_bounds_are_ordered,
     activation_estimate_is_a_dry_run,
     schedule_fits_in_training,
     selective_ac_option_is_known,

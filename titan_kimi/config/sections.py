@@ -46,6 +46,11 @@ class Model:
     dtype: str = option("bfloat16", "dtype the model parameters are kept in", choices=DTYPES)
     freeze_indexer: bool = option(
         True, "keep the K3.1 indexer frozen (top-k selection gives it no LM-loss gradient)")
+    vision_flavor: str = option(
+        "", "vision tower of an image-text model: moonvit3d (the released 27-block MoonViT3d), moonvit3d_debug; "
+        "\"\" = a text model, or the vision_config of model.hf_config_path when it has one")
+    freeze_vision_tower: bool = option(
+        True, "keep the vision tower's weights frozen (the projector and the text model train)")
 
 
 @dataclass
@@ -208,10 +213,18 @@ class Data:
         "training dataset: packed_text packs documents into seq_len rows (document ids reset the model state); "
         "hellaswag and medpix are one padded example per row",
         choices=("packed_text", "hellaswag", "synthetic", "medpix"))
-    path: str = option("", "dataset file (.jsonl, .json or .parquet); \"\" = the bundled sample (synthetic takes none)")
+    path: str = option(
+        "", "dataset file (.jsonl, .json or .parquet; medpix also a folder of parquet files or a datasets "
+        "save_to_disk folder); \"\" = the bundled sample (synthetic takes none)")
     shuffle: bool = option(True, "shuffle examples (seeded by job.seed)")
     validation_path: str = option(
         "", "validation data file; \"\" = the bundled sample's validation split (with data.path = \"\")")
+    image_min_pixels: int = option(
+        3136, "medpix: images smaller than this many pixels are scaled up (keeping the aspect ratio)",
+        bounds=at_least(1))
+    image_max_pixels: int = option(
+        802816, "medpix: images larger than this many pixels are scaled down (default 896 x 896: 1,024 image "
+        "tokens)", bounds=at_least(784))
 
 
 @dataclass
@@ -234,11 +247,22 @@ class Validation:
 
 @dataclass
 class Lora:
-    enable: bool = option(False, "train LoRA adapters instead of all weights (not built yet: rejected)")
-    rank: int = option(8, "adapter rank", bounds=at_least(1))
+    enable: bool = option(
+        False, "train LoRA adapters instead of all weights: every base weight (and the indexer) is frozen")
+    rank: int = option(8, "adapter rank (a multiple of 8 when the routed experts are adapted)", bounds=at_least(1))
     alpha: float = option(16.0, "adapter scale numerator (scale = alpha / rank)", bounds=above(0))
-    dropout: float = option(0.0, "dropout on the adapter input", bounds=between(0, 1, high_open=True))
-    target_modules: list[str] = option([], "names of the linear modules to adapt")
+    dropout: float = option(
+        0.0, "dropout on the adapter input (where layers call their module; merged weights read directly take "
+        "none)", bounds=between(0, 1, high_open=True))
+    target_modules: list[str] = option(
+        ["attention", "mlp", "shared_experts", "experts"],
+        "modules to adapt: groups attention|mlp|shared_experts|experts|latent_proj|router|lm_head|vision_tower|"
+        "projector, globs over module names (layers.*.attention.o_proj) or bare names (o_proj); never the indexer")
+    adapter_path: str = option(
+        "", "adapters to start from: a folder with adapter_model.safetensors (PEFT layout); \"\" = fresh adapters")
+    save_adapters: bool = option(
+        True, "write the trained adapters (adapter_model.safetensors + adapter_config.json) to "
+        "job.dump_folder/lora_adapters at the end")
 
 
 @dataclass

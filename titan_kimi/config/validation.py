@@ -12,6 +12,7 @@ from titan_kimi.config.rules import RULES, check_world_size
 from titan_kimi.config.sections import JobConfig
 
 FLAVORS_MODULE = "titan_kimi.models.kimi_k3.flavors"
+VISION_FLAVORS_MODULE = "titan_kimi.models.kimi_k3.vision_args"
 LAUNCHER = "WORLD_SIZE from the launcher"
 
 
@@ -47,6 +48,7 @@ def validate_job_config(cfg: JobConfig, sources: Mapping[str, str] | None = None
         check_world_size(cfg, launcher_world_size, source_of, LAUNCHER)
     # Last: the registry lives in the model package, which imports torch; every other error stays instant.
     _check_flavor(cfg, source_of("model.flavor"))
+    _check_vision_flavor(cfg, source_of("model.vision_flavor"))
 
 
 def known_flavors() -> list[str]:
@@ -59,3 +61,12 @@ def _check_flavor(cfg: JobConfig, source: str) -> None:
     if cfg.model.flavor not in names:
         raise bad_value("model.flavor", cfg.model.flavor, source, "not a known flavor",
                         "one of " + "|".join(names))
+
+
+def _check_vision_flavor(cfg: JobConfig, source: str) -> None:
+    if not cfg.model.vision_flavor:
+        return
+    names = list(importlib.import_module(VISION_FLAVORS_MODULE).vision_flavor_names())
+    if cfg.model.vision_flavor not in names:
+        raise bad_value("model.vision_flavor", cfg.model.vision_flavor, source, "not a known vision flavor",
+                        "\"\" (a text model) or one of " + "|".join(names))
