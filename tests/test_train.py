@@ -24,18 +24,29 @@ def run_main(capsys, *argv):
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("recipe, total, active", [
-    ("k3_hellaswag", 2_779_484_476_000, 104_189_612_640),
-    ("k31_medpix_nonpacked", 2_779_819_502_176, 104_524_638_816),
+@pytest.mark.parametrize("recipe, line", [
+    ("k3_hellaswag", "params total=2779484476000 active=104189612640"),
+    # K3.1-Pro image-text: the text model's 2,779,819,502,176 + the 27-block tower's 401,214,464 + the
+    # projector's 46,144,512; active = the text model per token.
+    ("k31", "params total=2780266861152 active=104524638816 vision=447358976"),
 ])
-def test_full_scale_recipes_pass_dry_run(capsys, recipe, total, active):
+def test_full_scale_recipes_pass_dry_run(capsys, recipe, line):
     out = run_main(capsys, "--job.config_file", f"train_configs/{recipe}.toml", "--job.dry_run", "--job.world_size", "256")
-    assert f"params total={total} active={active}" in out.splitlines()
+    assert line in out.splitlines()
     assert "dp_shard 32" in out and "pp 8" in out and "ep 32" in out
     lines = out.splitlines()
     assert "# stage 0: layers [0, 12) on pp rank 0" in lines and "# stage 7: layers [84, 93) on pp rank 7" in lines
     # FSDP32 x EP32 x PP8: each rank holds ~11.3 B parameters of the middle stages (docs/checkpoints.md table).
     assert any(line.startswith("# pp rank 1: 11.3") and "GiB" in line for line in lines), lines
+
+
+def test_main_command_finds_k31_in_train_configs_and_lora_dry_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no k31.toml here: the recipe comes from train_configs/
+    out = run_main(capsys, "--job.config_file", "k31.toml", "--job.dry_run", "--job.world_size", "256",
+                   "--lora.enable", "true")
+    assert 'dataset = "medpix"' in out and 'vision_flavor = "moonvit3d"' in out
+    # rank-8 adapters: every layer's attention projections, the dense MLP, shared and per-expert routed factors
+    assert "# lora: rank 8, 10917439232 trainable adapter parameters" in out
 
 
 def test_dry_run_rejects_a_layout_that_does_not_fit(capsys):

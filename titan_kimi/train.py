@@ -23,14 +23,18 @@ from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_chec
                                    training_state)
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX, build_dataloader
+from titan_kimi.data.image_processor import ImageProcessor
+from titan_kimi.lora import load_adapters, merged_tensors, save_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
+from titan_kimi.models.kimi_k3.multimodal import VISION_PREFIXES, KimiK3VLModel
+from titan_kimi.models.kimi_k3.vision_accounting import vision_flops
 from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, init_distributed, pick_device
 from titan_kimi.parallel.context_parallel import ContextParallel
 from titan_kimi.parallel.fsdp import ReplicatedGradients
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
-from titan_kimi.training.build import build_meta_model, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.exit_codes import run_cli
 from titan_kimi.training.kernels import configure_kernels
 from titan_kimi.training.kernels import describe as describe_kernels
@@ -57,20 +61,30 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def dry_run(cfg, args, layout: ParallelLayout) -> None:
     """Build on the meta device, check the layout, print the resolved config, the stage split, the parameter
-    counts and the per-rank estimate."""
+    counts and the per-rank estimate.
+
+    An image-text model's ``total`` includes the tower and projector (also printed as ``vision=``); ``active``
+    counts the text model per token (the tower runs per image patch)."""
     from titan_kimi.parallel.estimate import describe_ranks
 
-    model = build_meta_model(args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer)
+    model = build_model_from_config(cfg, args, tokenizer_from_config(cfg, args))
     counts = count_params(model)
+    text = count_params(model, skip_prefixes=VISION_PREFIXES)
     print(to_toml(cfg))
     print(f"# layout: {layout.describe()}")
     for line in layout.pipeline.describe() if layout.pipeline is not None else ():
         print(f"# {line}")
-    print(f"# model: {cfg.model.flavor if not cfg.model.hf_config_path else cfg.model.hf_config_path}, "
-          f"{args.n_layers} layers, flops/token {training_flops_per_token(args, cfg.training.seq_len, counts):.4g}")
+    tower = f" + {cfg.model.vision_flavor or 'the config'}'s vision tower" if isinstance(model, KimiK3VLModel) else ""
+    flops = training_flops_per_token(args, cfg.training.seq_len, text, frozen_backward=cfg.lora.enable)
+    print(f"# model: {cfg.model.flavor if not cfg.model.hf_config_path else cfg.model.hf_config_path}{tower}, "
+          f"{args.n_layers} layers, flops/token {flops:.4g}")
+    if cfg.lora.enable:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"# lora: rank {cfg.lora.rank}, {trainable} trainable adapter parameters")
     for line in describe_ranks(cfg, args, layout, activations=cfg.job.estimate_activations):
         print(f"# {line}")
-    print(f"params total={counts.total} active={counts.active}")
+    vision = f" vision={counts.total - text.total}" if isinstance(model, KimiK3VLModel) else ""
+    print(f"params total={counts.total} active={text.active}{vision}")
 
 
 class Trainer:
@@ -104,11 +118,16 @@ class Trainer:
 
         self.tokenizer = tokenizer_from_config(cfg, args)
         self.loss_fn = LinearCrossEntropyLoss(t.loss_chunk_size)
-        self.counts = count_params(build_meta_model(args, DTYPES[cfg.model.dtype],
-                                                    freeze_indexer=cfg.model.freeze_indexer))
+        whole = build_model_from_config(cfg, args, self.tokenizer)
+        self.vision = whole.vision_args if isinstance(whole, KimiK3VLModel) else None
+        self._reject_unbuilt_combinations()
+        self.counts = count_params(whole)
+        # FLOPs per text token from the text model; the tower's are per image patch (vision_flops, per step).
+        self.flops_per_token = training_flops_per_token(
+            args, t.seq_len, count_params(whole, skip_prefixes=VISION_PREFIXES), frozen_backward=cfg.lora.enable)
+        del whole
         self.model_parts, self.pipeline = self._build_model_parts()
         self.model = self.model_parts[0]  # the whole model unless pipelined
-        self.flops_per_token = training_flops_per_token(args, t.seq_len, self.counts)
         self.named_params = [(n, p) for part in self.model_parts for n, p in part.named_parameters()
                              if p.requires_grad]
         self.optimizer = OptimizerParts([build_optimizer([part], cfg.optimizer) for part in self.model_parts])
@@ -134,6 +153,19 @@ class Trainer:
                     self.global_batch, self.dp, t.local_batch_size, self.accum_steps)
 
     # ------------------------------------------------------------------ setup
+    def _reject_unbuilt_combinations(self) -> None:
+        pp = self.layout.pp
+        if pp > 1 and self.vision is not None:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_degree = {pp} with an image-text model: splitting the packed images "
+                "into pipeline microbatches is not built yet; train with pipeline_parallel_degree = 1, or use "
+                "--job.dry_run to validate the layout")
+        if pp > 1 and self.cfg.lora.enable:
+            raise ValueError(
+                f"parallelism.pipeline_parallel_degree = {pp} with lora.enable = true: saving and loading adapters "
+                "spread over pipeline stages is not built yet; train LoRA with pipeline_parallel_degree = 1, or use "
+                "--job.dry_run to validate the layout")
+
     def _build_model_parts(self):
         """This rank's model parts (the whole model, or its pipeline stages): built on the meta device,
         parallelised, then materialised and initialised with the seeded init (training/seeded_init.py), which
@@ -143,8 +175,8 @@ class Trainer:
         pp_rank = self.meshes.pp_rank if self.meshes is not None else 0
         indices = plan.stages_of_rank(pp_rank) if plan is not None else [None]
         dtype = DTYPES[cfg.model.dtype]
-        parts = [build_meta_model(self.args, dtype, freeze_indexer=cfg.model.freeze_indexer,
-                                  layer_range=plan.ranges[i] if plan is not None else None) for i in indices]
+        parts = [build_model_from_config(cfg, self.args, self.tokenizer,
+                                         layer_range=plan.ranges[i] if plan is not None else None) for i in indices]
         self.autocast_dtype = None
         if self.distributed:
             from titan_kimi.parallel.parallelize import mixed_precision_dtype, parallelize
@@ -190,17 +222,20 @@ class Trainer:
         return PipelineRunner(schedule, stages, [m for _, m in modules])
 
     def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True, split: str = "train"):
-        dataset = self.cfg.data.dataset
+        dataset, data = self.cfg.data.dataset, self.cfg.data
+        processor = None
         if dataset == "medpix":
-            raise ValueError(
-                "data.dataset = 'medpix' needs the vision tower, which titan_kimi does not build yet; "
-                "valid now: packed_text, hellaswag, synthetic"
-            )
+            if self.vision is None:
+                raise ValueError(f"data.dataset = 'medpix' needs an image-text model, but model.hf_config_path = "
+                                 f"{self.cfg.model.hf_config_path!r} has no vision_config; set model.vision_flavor")
+            processor = ImageProcessor(patch_size=self.vision.patch_size, merge_kernel=self.vision.merge_kernel,
+                                       min_pixels=data.image_min_pixels, max_pixels=data.image_max_pixels)
         t = self.cfg.training
         return build_dataloader(
             dataset, path or None, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
             dp_rank=self.dp_rank, dp_world_size=self.dp, seed=seed,
             shuffle=shuffle, infinite=infinite, vocab_size=self.args.vocab_size, split=split,
+            image_processor=processor,
         )
 
     def _build_validation_loader(self):
@@ -221,12 +256,19 @@ class Trainer:
             for part in self.model_parts:
                 fmt = load_model_weights(part, cfg.initial_load_path)
             logger.info("initial weights from %s (%s)", cfg.initial_load_path, fmt)
+        if restored is None and self.cfg.lora.adapter_path:  # a resumed run has its adapters in the checkpoint
+            filled = load_adapters(self.model, self.cfg.lora.adapter_path)
+            logger.info("LoRA adapters from %s (%d factors)", self.cfg.lora.adapter_path, len(filled))
 
     def _final_save(self) -> None:
         """The last step: the full training state, only the model (``last_save_model_only``), or an HF
-        safetensors export in ``export_dtype`` (``last_save_in_hf``). A last step that is also due as an
-        interval save is saved resumable as well, so that the run can be extended from it."""
-        cfg = self.cfg.checkpoint
+        safetensors export in ``export_dtype`` (``last_save_in_hf``; with LoRA the adapters merged into their
+        weights). A last step that is also due as an interval save is saved resumable as well, so that the run can
+        be extended from it. With LoRA the adapters are written on their own first (``lora.save_adapters``)."""
+        cfg, lora = self.cfg.checkpoint, self.cfg.lora
+        if lora.enable and lora.save_adapters:
+            path = save_adapters(self.model, self.dump / "lora_adapters", targets=lora.target_modules)
+            logger.info("saved LoRA adapters to %s", path)
         if not cfg.enable:
             return
         if self.checkpointer.should_save(self.step) or not (cfg.last_save_model_only or cfg.last_save_in_hf):
@@ -235,15 +277,17 @@ class Trainer:
             self.checkpointer.save(self.step, {"model": ModelState(self.model_parts)}, force=True)
         if cfg.last_save_in_hf:
             path = self.checkpointer.folder / f"hf-step-{self.step}"
-            export_hf_checkpoint(self.model, path, dtype=DTYPES[cfg.export_dtype], overwrite=True)
-            logger.info("exported HF safetensors to %s", path)
+            tensors = merged_tensors(self.model) if lora.enable else None
+            export_hf_checkpoint(self.model, path, dtype=DTYPES[cfg.export_dtype], overwrite=True, tensors=tensors)
+            logger.info("exported HF safetensors to %s%s", path, " (LoRA merged)" if lora.enable else "")
 
     # ------------------------------------------------------------------ one step
     def _forward_loss(self, batch: dict, normalizer: torch.Tensor) -> torch.Tensor:
         ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                else torch.autocast(self.device.type, enabled=False))
+        images = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
         with ctx:
-            hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True)
+            hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True, **images)
             return self.loss_fn(self.model.output, hidden, batch["labels"], normalizer)
 
     def _local(self, batch: dict) -> dict:
@@ -302,13 +346,28 @@ class Trainer:
         dt = time.perf_counter() - t0
         tokens = self.global_batch * cfg.training.seq_len  # processed tokens, padding included
         per_device = tokens / dt / self.layout.world_size
+        images, image_flops = self._image_work(host)
+        flops = tokens * self.flops_per_token + image_flops
         return StepMetrics(
             step=self.step, loss=loss_value, grad_norm=clip.grad_norm, lr=lr, tokens=tokens, step_time=dt,
             tokens_per_sec=tokens / dt, tokens_per_sec_per_device=per_device,
-            mfu=per_device * self.flops_per_token / cfg.metrics.peak_flops,
+            mfu=flops / dt / self.layout.world_size / cfg.metrics.peak_flops,
             peak_mem_gib=peak_memory_gib(self.device), skipped=skipped,
             expert_load_max=load.max if load else None, expert_load_min=load.min if load else None,
+            images=images, images_per_sec=images / dt,
         )
+
+    def _image_work(self, batches: list[dict]) -> tuple[int, float]:
+        """Images in the step over all ranks, and the tower's and projector's FLOPs on them (host batches)."""
+        if self.vision is None:
+            return 0, 0.0
+        grids = [tuple(g) for b in batches for g in b["grid_thws"].tolist()]
+        model = self.model
+        trains = lambda module: module is not None and any(p.requires_grad for p in module.parameters())
+        local = vision_flops(self.vision, self.args.dim, grids, tower_trained=trains(model.vision_tower),
+                             projector_trained=trains(model.mm_projector))
+        total = all_reduce_sum(torch.tensor([len(grids), local], dtype=torch.float64, device=self.device))
+        return int(total[0]), float(total[1])
 
     @torch.no_grad()
     def validate(self) -> None:

@@ -38,7 +38,8 @@ class _ForwardScope:
 
 
 def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_outside: bool = False) -> None:
-    """Compile every decoder block in place (parameter names unchanged); ``none`` leaves the model eager.
+    """Compile every decoder block (and vision block) in place (parameter names unchanged); ``none`` leaves the
+    model eager.
 
     The blocks share one code object, so Dynamo counts every block variant (layer position, block type, AttnRes
     bank size, which inputs need grad, and once more when the packed document count first changes) against one
@@ -58,6 +59,10 @@ def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_out
             for part in _moe_block_parts(block):
                 part.compile(fullgraph=fullgraph, **options)
         else:
+            block.compile(fullgraph=fullgraph, **options)
+    vision_tower = getattr(model, "vision_tower", None)  # an image-text model's first stage
+    if vision_tower is not None:
+        for block in vision_tower.encoder.blocks:
             block.compile(fullgraph=fullgraph, **options)
     limit = max(torch._dynamo.config.recompile_limit, 8 * len(model.layers) + 8)
     scope = _ForwardScope(spec, limit)

@@ -56,6 +56,11 @@ def apply_fsdp(
                   ignored_params=set(replicated_parameters(model)))
     if model.tok_embeddings is not None:
         fully_shard(model.tok_embeddings, **config)
+    vision_tower = getattr(model, "vision_tower", None)  # an image-text model's first stage: a unit per block
+    if vision_tower is not None:
+        for block in vision_tower.encoder.blocks:
+            fully_shard(block, **config)
+        fully_shard(model.mm_projector, **config)
     for block in model.layers.values():
         if block.moe_enabled and experts_mesh is not None:
             _shard_experts(block.moe.experts, experts_mesh, policy, reshard_after_forward)

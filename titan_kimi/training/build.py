@@ -1,13 +1,18 @@
-"""Model args, tokenizer and model construction from the job config."""
+"""Model args, tokenizer and model construction (text or image-text, with or without LoRA) from the job config."""
 
 from __future__ import annotations
 
 import torch
 
-from titan_kimi.checkpoint.hf_config import model_args_from_hf
+from titan_kimi.checkpoint.hf_config import model_args_from_hf, read_hf_config
 from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer
+from titan_kimi.data.chat import IMAGE_PLACEHOLDER
+from titan_kimi.dtypes import DTYPES
+from titan_kimi.lora import LoRASettings, apply_lora
 from titan_kimi.models.kimi_k3 import KimiK3Model, KimiK3ModelArgs, model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
+from titan_kimi.models.kimi_k3.multimodal import KimiK3VLModel
+from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs, vision_args_for
 
 
 def model_args_from_config(cfg) -> KimiK3ModelArgs:
@@ -33,16 +38,74 @@ def tokenizer_from_config(cfg, args: KimiK3ModelArgs) -> KimiTokenizer:
     return tokenizer
 
 
-def build_meta_model(args: KimiK3ModelArgs, dtype: torch.dtype, *, freeze_indexer: bool,
-                     layer_range: tuple[int, int] | None = None) -> KimiK3Model:
+def vision_args_from_config(cfg, tokenizer: KimiTokenizer) -> KimiK3VisionArgs | None:
+    """The tower of an image-text model: ``model.vision_flavor``, or the ``vision_config`` of
+    ``model.hf_config_path``; None for a text model. The image placeholder is the tokenizer's."""
+    config = None
+    if cfg.model.hf_config_path:
+        try:
+            config = read_hf_config(cfg.model.hf_config_path)
+        except ValueError as err:
+            raise ValueError(f"model.hf_config_path: {err}") from None
+        if "vision_config" not in config:
+            config = None
+    if config is None and not cfg.model.vision_flavor:
+        return None
+    if config is not None and cfg.model.vision_flavor:
+        raise ValueError(
+            f"model.vision_flavor = {cfg.model.vision_flavor!r} and model.hf_config_path = "
+            f"{cfg.model.hf_config_path!r} (which has a vision_config) both name a vision tower; keep one"
+        )
+    placeholder = tokenizer.special_tokens.get(IMAGE_PLACEHOLDER)
+    if placeholder is None:
+        raise ValueError(f"model.tokenizer_path: the tokenizer has no {IMAGE_PLACEHOLDER} token, which an "
+                         f"image-text model needs")
+    if config is None:
+        return vision_args_for(cfg.model.vision_flavor, media_placeholder_token_id=placeholder)
+    vision = KimiK3VisionArgs.from_hf_config(config)
+    if vision.media_placeholder_token_id != placeholder:
+        raise ValueError(
+            f"model.hf_config_path: media_placeholder_token_id = {vision.media_placeholder_token_id} but the "
+            f"tokenizer's {IMAGE_PLACEHOLDER} is {placeholder}; use the checkpoint's tokenizer"
+        )
+    return vision
+
+
+def build_meta_model(
+    args: KimiK3ModelArgs,
+    dtype: torch.dtype,
+    *,
+    freeze_indexer: bool,
+    vision: KimiK3VisionArgs | None = None,
+    freeze_vision_tower: bool = True,
+    lora: LoRASettings | None = None,
+    layer_range: tuple[int, int] | None = None,
+) -> KimiK3Model:
     """The model (or the pipeline stage of layers ``layer_range``) on the meta device in ``dtype``
-    (fp32-by-design parameters stay fp32)."""
+    (fp32-by-design parameters stay fp32): the image-text model when ``vision`` is given. With ``lora`` every
+    base weight is frozen and adapters are added (materialise, then ``titan_kimi.lora.reset_adapters``);
+    without, the indexer and (``freeze_vision_tower``) the tower are frozen."""
     with torch.device("meta"):
-        model = KimiK3Model(args, layer_range=layer_range)
+        model = (KimiK3VLModel(args, vision, layer_range) if vision is not None
+                 else KimiK3Model(args, layer_range=layer_range))
     cast_model_dtype(model, dtype)
     if not freeze_indexer:
         raise ValueError(
             "model.freeze_indexer = false: the indexer only receives a gradient from a distillation loss, which "
             "titan_kimi does not build yet; keep it true"
         )
+    if vision is not None and freeze_vision_tower and model.vision_tower is not None:
+        model.vision_tower.requires_grad_(False)
+    if lora is not None:  # a stage may hold none of a target group's modules (the tower is on the first)
+        apply_lora(model, lora, require_matches=layer_range is None)
     return model
+
+
+def build_model_from_config(cfg, args: KimiK3ModelArgs, tokenizer: KimiTokenizer,
+                            layer_range: tuple[int, int] | None = None) -> KimiK3Model:
+    """``build_meta_model`` with the job config's dtype, vision tower, freezing and ``[lora]`` settings."""
+    return build_meta_model(
+        args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer,
+        vision=vision_args_from_config(cfg, tokenizer), freeze_vision_tower=cfg.model.freeze_vision_tower,
+        lora=LoRASettings.from_config(cfg.lora) if cfg.lora.enable else None, layer_range=layer_range,
+    )

@@ -39,6 +39,8 @@ class StepMetrics:
     skipped: bool = False
     expert_load_max: float | None = None  # most loaded expert / balanced share (worst MoE layer)
     expert_load_min: float | None = None  # least loaded expert / balanced share (worst MoE layer)
+    images: int = 0  # images in the global batch (image-text data)
+    images_per_sec: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -91,9 +93,11 @@ class MetricsLogger:
                 note = f"  experts {m.expert_load_min:.2f}-{m.expert_load_max:.2f}x{note}"
             if self._bar:
                 sys.stderr.write("\n")
+            images = f"  img/s {m.images_per_sec:.1f}" if m.images else ""
             logger.info(
-                "step %d  loss %.4f  grad_norm %.3f  lr %.2e  tok/s %.0f  mfu %.2f%%  mem %.2f GiB  step %.3fs%s",
-                m.step, m.loss, m.grad_norm, m.lr, m.tokens_per_sec, 100 * m.mfu, m.peak_mem_gib, m.step_time, note,
+                "step %d  loss %.4f  grad_norm %.3f  lr %.2e  tok/s %.0f%s  mfu %.2f%%  mem %.2f GiB  step %.3fs%s",
+                m.step, m.loss, m.grad_norm, m.lr, m.tokens_per_sec, images, 100 * m.mfu, m.peak_mem_gib,
+                m.step_time, note,
             )
 
     def log_validation(self, step: int, loss: float, tokens: int) -> None:
@@ -125,7 +129,9 @@ class MetricsLogger:
         return (
             f"summary: steps={self.history[-1].step} first_loss={self.history[0].loss:.4f} "
             f"final_loss={self.history[-1].loss:.4f} median_step_time={med('step_time'):.4f}s "
-            f"median_tokens_per_sec={med('tokens_per_sec'):.1f} median_mfu={100 * med('mfu'):.3f}% "
+            f"median_tokens_per_sec={med('tokens_per_sec'):.1f} "
+            + (f"median_images_per_sec={med('images_per_sec'):.2f} " if self.history[-1].images else "")
+            + f"median_mfu={100 * med('mfu'):.3f}% "
             f"peak_mem_gib={max(m.peak_mem_gib for m in self.history):.2f} "
             f"skipped_steps={sum(m.skipped for m in self.history)}"
         )

@@ -19,22 +19,28 @@ class ParamCounts:
     total: int
     active: int
     embedding: int
-    frozen: int
+    frozen: int  # active parameters without gradients (the part of frozen experts a token touches)
 
 
-def count_params(model: nn.Module) -> ParamCounts:
-    """Counts over the parameters this module holds (a pipeline stage counts only its own)."""
+def count_params(model: nn.Module, *, skip_prefixes: tuple[str, ...] = ()) -> ParamCounts:
+    """Counts over the parameters this module holds (a pipeline stage counts only its own), except those whose
+    names start with ``skip_prefixes`` (e.g. an image-text model's tower, whose FLOPs are per image patch)."""
     args: KimiK3ModelArgs = model.args
     total = embedding = frozen = inactive = 0
     for name, p in model.named_parameters():
+        if name.startswith(skip_prefixes):
+            continue
         n = p.numel()
         total += n
-        if not p.requires_grad:
-            frozen += n
+        skipped = 0
         if name.startswith("tok_embeddings."):
             embedding += n
+            skipped = n
         if ".moe.experts." in name:
-            inactive += n * (args.num_experts - args.num_experts_per_tok) // args.num_experts
+            skipped = n * (args.num_experts - args.num_experts_per_tok) // args.num_experts
+            inactive += skipped
+        if not p.requires_grad:
+            frozen += n - skipped
     return ParamCounts(total, total - embedding - inactive, embedding, frozen)
 
 
@@ -69,16 +75,20 @@ def attention_flops_per_token(args: KimiK3ModelArgs, seq_len: int) -> tuple[floa
     return trained, forward_only
 
 
-def training_flops_per_token(args: KimiK3ModelArgs, seq_len: int, counts: ParamCounts | None = None) -> float:
+def training_flops_per_token(args: KimiK3ModelArgs, seq_len: int, counts: ParamCounts | None = None, *,
+                             frozen_backward: bool = False) -> float:
     """Forward + backward FLOPs per token: 6 per trained active weight, 2 per frozen one, attention terms.
 
-    Backward costs twice the forward for every trained term; frozen terms run forward only.
+    Backward costs twice the forward for every trained term; frozen terms run forward only, except with
+    ``frozen_backward`` (LoRA: the gradient flows through the frozen base weights to the adapters), where they
+    cost 4 (forward and input gradient).
     """
     if counts is None:
         counts = _counts_on_meta(args)
     trained_params = counts.active - counts.frozen
     attn_trained, attn_frozen = attention_flops_per_token(args, seq_len)
-    return 6 * trained_params + 2 * counts.frozen + 3 * attn_trained + attn_frozen
+    frozen_cost = 4 if frozen_backward else 2
+    return 6 * trained_params + frozen_cost * counts.frozen + 3 * attn_trained + attn_frozen
 
 
 def _counts_on_meta(args: KimiK3ModelArgs) -> ParamCounts:

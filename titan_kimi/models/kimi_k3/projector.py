@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from titan_kimi.models.kimi_k3.vision import VisionRMSNorm
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 
@@ -19,7 +20,7 @@ class PatchMergerMLP(nn.Module):
         width = args.merged_dim
         self.proj = nn.Sequential(nn.Linear(width, width, bias=False), nn.GELU(),
                                   nn.Linear(width, text_dim, bias=False))
-        self.post_norm = nn.RMSNorm(text_dim, eps=args.projector_eps)
+        self.post_norm = VisionRMSNorm(text_dim, eps=args.projector_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_norm(self.proj(x))

@@ -24,6 +24,15 @@ from titan_kimi.models.kimi_k3.vision_rope import apply_rope_2d, rope_2d_angles
 Grid = tuple[int, int, int]
 
 
+class VisionRMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` (eps None = the input dtype's machine epsilon) with its weight in the input's dtype, so fp32
+    master weights under bf16 autocast take the fused kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(x.dtype) if self.weight is not None else None
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 class VisionMLP(nn.Module):
     """``fc1(GELU_tanh(fc0(x)))``, no biases."""
 
@@ -45,8 +54,8 @@ class VisionBlock(nn.Module):
         self.n_heads, self.head_dim = args.n_heads, args.head_dim
         self.scale = self.head_dim**-0.5
         self.init_std = args.init_std
-        self.norm0 = nn.RMSNorm(args.dim, eps=None)
-        self.norm1 = nn.RMSNorm(args.dim, eps=None)
+        self.norm0 = VisionRMSNorm(args.dim, eps=None)
+        self.norm1 = VisionRMSNorm(args.dim, eps=None)
         self.wqkv = nn.Linear(args.dim, 3 * args.qkv_dim, bias=False)  # rows [q | k | v], each heads x head_dim
         self.wo = nn.Linear(args.qkv_dim, args.dim, bias=False)
         self.mlp = VisionMLP(args.dim, args.mlp_dim)
@@ -71,7 +80,7 @@ class VisionEncoder(nn.Module):
     def __init__(self, args: KimiK3VisionArgs) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.n_layers))
-        self.final_layernorm = nn.RMSNorm(args.dim, eps=None)
+        self.final_layernorm = VisionRMSNorm(args.dim, eps=None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         for tensor in (x, cos, sin):  # the patch count changes batch to batch: no recompile per count
