@@ -81,6 +81,30 @@ def test_fsdp_with_lora_on_the_image_text_model_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_expert_parallel_lora_matches_one_process(tmp_path):
+    """Per-expert adapters shard with their experts (and stay trainable while the experts stay frozen)."""
+    common = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
+              "--training.mixed_precision", "false", "--training.steps", "3", "--training.global_batch_size", "4",
+              "--data.shuffle", "false", "--lr_scheduler.warmup_steps", "1", "--lora.enable", "true"]
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
+         "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
+         "--job.dump_folder", str(tmp_path / "ep2")])
+    run([sys.executable, "-m", "titan_kimi.train", *common, "--training.local_batch_size", "4",
+         "--job.dump_folder", str(tmp_path / "single")])
+    ep2, single = [m["loss"] for m in rows(tmp_path / "ep2")], [m["loss"] for m in rows(tmp_path / "single")]
+    assert ep2[0] == pytest.approx(single[0], rel=1e-5)
+    for a, b in zip(ep2[1:], single[1:]):
+        assert a == pytest.approx(b, rel=2e-3)
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "ep2" / "lora_adapters" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "single" / "lora_adapters" / "adapter_model.safetensors"))
+    expert_keys = [k for k in a if ".experts.7.w2." in k]
+    assert a.keys() == b.keys() and expert_keys
+    assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
+
+
+@pytest.mark.slow
 def test_one_gpu_image_text_recipe_runs_at_reduced_size(tmp_path):
     out = run([sys.executable, "-m", "titan_kimi.train", "--job.config_file", "train_configs/k31_vl_small.toml",
                "--model.flavor", "k31_debug", "--model.vision_flavor", "moonvit3d_debug", "--training.steps", "6",

@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from lowerings import ops
 from titan_kimi.checkpoint.hf_keys import is_adapter_key
@@ -85,7 +86,10 @@ class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
             num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         w13, w2 = w13.to(dtype), w2.to(dtype)
-        a13, b13, a2, b2 = (p.to(dtype) for p in (self.lora_A_w13, self.lora_B_w13, self.lora_A_w2, self.lora_B_w2))
+        # Under expert parallelism the factors are Shard(0) DTensors like the experts: use the local experts'.
+        factors = [p.to_local() if isinstance(p, DTensor) else p
+                   for p in (self.lora_A_w13, self.lora_B_w13, self.lora_A_w2, self.lora_B_w2)]
+        a13, b13, a2, b2 = (p.to(dtype) for p in factors)
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
 
         def low_rank(v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

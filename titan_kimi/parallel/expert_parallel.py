@@ -31,6 +31,15 @@ class ExpertShardGroupedExperts(GroupedExperts):
 
 
 @functools.cache
+def expert_shard_class(cls: type) -> type:
+    """``ExpertShardGroupedExperts`` for plain experts; for a subclass (LoRA's adapted experts, whose ``run``
+    adds the low-rank terms) a class that is both."""
+    if cls is GroupedExperts or issubclass(cls, ExpertShardGroupedExperts):
+        return ExpertShardGroupedExperts if cls is GroupedExperts else cls
+    return type(f"ExpertShard{cls.__name__}", (ExpertShardGroupedExperts, cls), {})
+
+
+@functools.cache
 def _permutation_on_any_device() -> None:
     """torchtitan's token permutation calls a Triton kernel unconditionally; its CPU path sits behind
     ``use_cpu``. Route CPU tensors there (GPU tensors keep the Triton kernel)."""
@@ -58,5 +67,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         experts = block.moe.experts
         if experts.num_experts % ep_mesh.size():
             raise ValueError(f"{experts.num_experts} experts cannot be split over {ep_mesh.size()} EP ranks")
-        experts.__class__ = ExpertShardGroupedExperts
+        experts.__class__ = expert_shard_class(type(experts))
+        frozen = [name for name, p in experts.named_parameters(recurse=False) if not p.requires_grad]
         parallelize_module(experts, ep_mesh, ExpertParallel())
+        for name in frozen:  # ExpertParallel re-registers the shards as new (trainable) Parameters
+            getattr(experts, name).requires_grad_(False)
