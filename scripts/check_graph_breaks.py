@@ -2,7 +2,8 @@
 
     python scripts/check_graph_breaks.py --flavor k31_debug [--seq-len 64] [--device cuda] [--dtype bfloat16]
 
-Block types: kda+dense, kda+moe, mla+moe (K3), dsa+moe (K3.1). Exits 1 if any block breaks.
+Block types: kda+dense, kda+moe, mla+moe (K3), dsa+moe (K3.1), and the vision tower's block
+(``--vision-flavor``, default moonvit3d_debug). Exits 1 if any block breaks.
 Real flavors are big: on a CPU machine use the debug flavors; on a GPU any flavor (one layer of each type
 is built, not the whole model).
 """
@@ -56,14 +57,44 @@ def check(flavor: str, seq_len: int, device: str, dtype: torch.dtype) -> dict[st
     return results
 
 
+def check_vision(flavor: str, device: str, dtype: torch.dtype) -> dict[str, int]:
+    """The vision block of a tower flavor on two packed images of different sizes."""
+    from lowerings.ops.vision_attention import block_diagonal_mask
+    from titan_kimi.models.kimi_k3.vision import VisionBlock
+    from titan_kimi.models.kimi_k3.vision_args import vision_args_for
+    from titan_kimi.models.kimi_k3.vision_rope import rope_2d_angles
+
+    args = vision_args_for(flavor)
+    torch.manual_seed(0)
+    with torch.device(device):
+        block = VisionBlock(args)
+        block.init_weights()
+    block.to(dtype)
+    grids = [(1, 4, 6), (1, 2, 4)]
+    x = torch.randn(32, args.dim, device=device, dtype=dtype)
+    angles = rope_2d_angles(grids, args.head_dim, args.rope_theta, x.device)
+    mask = block_diagonal_mask(torch.tensor([0, 24, 32], device=x.device), 32)
+    report = count_graph_breaks(block, x, angles.cos(), angles.sin(), mask)
+    print(f"{flavor} vision block graphs={report.graphs} graph_breaks={report.breaks}")
+    for reason in report.reasons:
+        print(f"    break: {reason[:300]}")
+    return {"vision": report.breaks}
+
+
 def main() -> int:
+    from titan_kimi.models.kimi_k3.vision_args import vision_flavor_names
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--flavor", default="k31_debug", choices=flavor_names())
+    parser.add_argument("--vision-flavor", default="moonvit3d_debug", choices=["", *vision_flavor_names()],
+                        help="also check the vision block of this tower flavor (\"\" = skip)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     opts = parser.parse_args()
     results = check(opts.flavor, opts.seq_len, opts.device, getattr(torch, opts.dtype))
+    if opts.vision_flavor:
+        results.update(check_vision(opts.vision_flavor, opts.device, getattr(torch, opts.dtype)))
     return 1 if any(results.values()) else 0
 
 

@@ -241,3 +241,18 @@ def test_vision_args_validation_and_hf_config_round_trip():
     assert config["vision_config"]["vt_num_hidden_layers"] == 2 and config["vision_config"]["merge_kernel_size"] == [2, 2]
     with pytest.raises(ValueError, match="merge_type"):
         KimiK3VisionArgs.from_hf_config({"vision_config": {"merge_type": "avg"}})
+
+
+def test_vision_block_compiles_with_inductor_on_cpu():
+    args, tower, _ = tower_and_projector(seed=5)
+    block = tower.encoder.blocks[1]
+    compiled = torch.compile(block, fullgraph=True)  # inductor
+    for grids in ([(1, 4, 6), (1, 2, 4)], [(1, 6, 6)]):
+        L = sum(t * h * w for t, h, w in grids)
+        x = torch.randn(L, args.dim, requires_grad=True)
+        angles = rope_2d_angles(grids, args.head_dim, args.rope_theta)
+        cu = torch.tensor([0] + [t * h * w for t, h, w in grids]).cumsum(0)
+        mask = block_diagonal_mask(cu, L)
+        out, ref = compiled(x, angles.cos(), angles.sin(), mask), block(x, angles.cos(), angles.sin(), mask)
+        grad, grad_ref = (torch.autograd.grad(o.sum(), x)[0] for o in (out, ref))
+        assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(grad, grad_ref, atol=1e-5)
