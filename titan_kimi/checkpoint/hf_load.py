@@ -60,7 +60,8 @@ def expected_vision_keys(model: nn.Module) -> frozenset[str] | None:
 
     with torch.device("meta"):
         tower, projector = VisionTower(vision), PatchMergerMLP(vision, model.args.dim)
-    return frozenset([f"vision_tower.{k}" for k in tower.state_dict()] + [f"mm_projector.{k}" for k in projector.state_dict()])
+    return frozenset([f"vision_tower.{k}" for k in tower.state_dict()]
+                     + [f"mm_projector.{k}" for k in projector.state_dict()])
 
 
 def run_read(ckpt: HFCheckpoint, read: Read, local: torch.Tensor) -> None:
@@ -122,8 +123,9 @@ def load_hf_checkpoint(
 ) -> LoadReport:
     """Fill ``model``'s own tensors in place from the HF safetensors folder ``path``.
 
-    ``model`` may be the full model (its LoRA adapters, if any, are left as they are), a pipeline stage (``KimiK3Model(args, layer_range=...)``), an FSDP2/DTensor
-    sharded model, or hold only experts ``expert_range=(first, last)`` in its plain ``moe.experts.w13/w2``.
+    ``model`` may be the full model (its LoRA adapters, if any, are left as they are), a pipeline stage
+    (``KimiK3Model(args, layer_range=...)``), an FSDP2/DTensor sharded model, or hold only experts
+    ``expert_range=(first, last)`` in its plain ``moe.experts.w13/w2``.
     Every needed key's presence, shape and dtype (and A_log's zero padding) is checked before anything is
     copied; on a problem a ValueError lists them and the model is unchanged. ``strict=False`` leaves model keys
     missing from the checkpoint untouched and ignores unexpected checkpoint keys (reported in the result).

@@ -69,8 +69,9 @@ def adapter_pieces(model: nn.Module) -> list[AdapterPiece]:
     for name, module in adapter_modules(model).items():
         name = canonical_fqn(name)
         if isinstance(module, LoRAGroupedExperts):
-            out += _pieces(name, f"{name}.w13", tuple(module.w13.shape), f"{name}.lora_A_w13", f"{name}.lora_B_w13", True)
-            out += _pieces(name, f"{name}.w2", tuple(module.w2.shape), f"{name}.lora_A_w2", f"{name}.lora_B_w2", True)
+            for w in ("w13", "w2"):
+                shape = tuple(getattr(module, w).shape)
+                out += _pieces(name, f"{name}.{w}", shape, f"{name}.lora_A_{w}", f"{name}.lora_B_{w}", True)
         else:
             out += _pieces(name, f"{name}.weight", tuple(module.weight.shape), f"{name}.lora_A.weight",
                            f"{name}.lora_B.weight", False)

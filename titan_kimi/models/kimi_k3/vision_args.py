@@ -84,7 +84,8 @@ class KimiK3VisionArgs:
                 kwargs[ours] = vision[hf]
         for hf, supported in HF_VISION_FIXED.items():
             if vision.get(hf) is not None and vision[hf] != supported:
-                raise ValueError(f"config.json: vision_config.{hf} = {vision[hf]!r} is not supported; valid: {supported!r}")
+                raise ValueError(
+                    f"config.json: vision_config.{hf} = {vision[hf]!r} is not supported; valid: {supported!r}")
         if vision.get("mm_hidden_size") not in (None, kwargs.get("dim", cls.dim)):
             raise ValueError(
                 f"config.json: vision_config.mm_hidden_size = {vision['mm_hidden_size']!r} must equal vt_hidden_size "
