@@ -34,8 +34,10 @@ class ExpertShardGroupedExperts(GroupedExperts):
 def expert_shard_class(cls: type) -> type:
     """``ExpertShardGroupedExperts`` for plain experts; for a subclass (LoRA's adapted experts, whose ``run``
     adds the low-rank terms) a class that is both."""
-    if cls is GroupedExperts or issubclass(cls, ExpertShardGroupedExperts):
-        return ExpertShardGroupedExperts if cls is GroupedExperts else cls
+    if cls is GroupedExperts:
+        return ExpertShardGroupedExperts
+    if issubclass(cls, ExpertShardGroupedExperts):
+        return cls
     return type(f"ExpertShard{cls.__name__}", (ExpertShardGroupedExperts, cls), {})
 
 
