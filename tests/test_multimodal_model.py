@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from titan_kimi.checkpoint import hf_tensors_for, load_hf_checkpoint
+from titan_kimi.checkpoint import hf_config, hf_tensors_for, load_hf_checkpoint
 from titan_kimi.checkpoint import export_hf_checkpoint
 from titan_kimi.lora import LoRASettings, apply_lora, reset_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
@@ -113,11 +113,9 @@ def write_public_checkpoint(model, folder, *, extra=None, drop=()):
         del tensors[key]
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"))
-    vision = model.vision_args
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "kimi_k3", "media_placeholder_token_id": IMG,
-        "vision_config": vision.hf_config(text_hidden_size=model.args.dim),
-    }))
+    config = hf_config(model.args)  # the composite kimi_k3 config: text_config ...
+    config.update(media_placeholder_token_id=IMG, vision_config=model.vision_args.hf_config(model.args.dim))
+    (folder / "config.json").write_text(json.dumps(config))
     return tensors
 
 
@@ -187,3 +185,32 @@ def test_lora_on_the_tower_only_on_request():
     trained = {n for n, p in model.named_parameters() if p.grad is not None}
     assert trained == {n for n, _ in model.named_parameters() if "lora_" in n}
     assert any(n.startswith("vision_tower.") for n in trained)
+
+
+def test_seeded_init_of_the_image_text_model_with_adapters_matches_init_weights():
+    """The layout-independent initialiser (training/seeded_init.py) draws the tower, projector and LoRA factors
+    from the distributions their init_weights / reset_lora_parameters use."""
+    from titan_kimi.models.kimi_k3.init_specs import init_specs
+    from titan_kimi.training.seeded_init import init_weights_seeded
+
+    targets = ("attention", "experts", "lm_head", "vision_tower", "projector")
+    reference = build()
+    apply_lora(reference, LoRASettings(8, 16.0, 0.0, targets))
+    reset_adapters(reference)
+    with torch.device("meta"):
+        ours = KimiK3VLModel(reference.args, reference.vision_args)
+    apply_lora(ours, LoRASettings(8, 16.0, 0.0, targets))
+    ours.to_empty(device="cpu")
+    init_weights_seeded(ours, 7)
+    specs = init_specs(ours)
+    assert set(specs) == set(dict(ours.named_parameters()))
+    for key, want in reference.state_dict().items():
+        got = ours.state_dict()[key]
+        if not specs[key].random:
+            assert torch.equal(got, want), key
+        elif specs[key].kind == "uniform":
+            assert specs[key].low <= got.min().item() and got.max().item() <= specs[key].high, key
+        if specs[key].random and got.numel() >= 512:
+            assert got.std().item() == pytest.approx(want.std().item(), rel=0.1), key
+    assert (ours.vision_tower.encoder.blocks[0].norm0.weight == 1).all()
+    assert not ours.output.lora_B.weight.any() and ours.layers["1"].moe.experts.lora_A_w13.any()

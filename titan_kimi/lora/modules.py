@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from lowerings import ops
 from titan_kimi.checkpoint.hf_keys import is_adapter_key
 from titan_kimi.models.kimi_k3.head import LMHead
+from titan_kimi.models.kimi_k3.init_specs import InitSpec
 from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul
 
 
@@ -59,10 +60,25 @@ class LoRALinear(_LoRAMixin, nn.Linear):
     def reset_lora_parameters(self) -> None:
         _reset_factors(self)
 
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return _factor_specs(self)
+
 
 def _reset_factors(module: nn.Module) -> None:
     nn.init.kaiming_uniform_(module.lora_A.weight, a=math.sqrt(5))  # PEFT's default
     nn.init.zeros_(module.lora_B.weight)
+
+
+def _a_spec(fan_in: int) -> InitSpec:
+    """Kaiming uniform with a = sqrt(5), as ``reset_lora_parameters`` draws A: U(+-1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return InitSpec("uniform", low=-bound, high=bound)
+
+
+def _factor_specs(module: nn.Module) -> dict[str, InitSpec]:
+    """The factors' initial distributions for the seeded initialiser (A like PEFT, B = 0); the base weight keeps
+    its own rule."""
+    return {"lora_A.weight": _a_spec(module.lora_A.weight.shape[1]), "lora_B.weight": InitSpec("constant")}
 
 
 class LoRALMHead(_LoRAMixin, LMHead):
@@ -74,6 +90,9 @@ class LoRALMHead(_LoRAMixin, LMHead):
 
     def reset_lora_parameters(self) -> None:
         _reset_factors(self)
+
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return _factor_specs(self)
 
 
 class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
@@ -111,6 +130,10 @@ class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
             for e in range(a.shape[0]):  # each expert's A like a Linear's (fan-in = its input width)
                 nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
             nn.init.zeros_(b)
+
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return {"lora_A_w13": _a_spec(self.lora_A_w13.shape[2]), "lora_B_w13": InitSpec("constant"),
+                "lora_A_w2": _a_spec(self.lora_A_w2.shape[2]), "lora_B_w2": InitSpec("constant")}
 
 
 _ADAPTER_CLASSES: dict[type, type] = {nn.Linear: LoRALinear, LMHead: LoRALMHead, GroupedExperts: LoRAGroupedExperts}

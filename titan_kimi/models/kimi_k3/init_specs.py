@@ -74,14 +74,25 @@ def _module_rule(module: nn.Module, name: str, std: float) -> InitSpec | None:
 
 def init_specs(model: nn.Module) -> dict[str, InitSpec]:
     """``{canonical parameter name: InitSpec}`` for every parameter of a Kimi K3 model (whole, a pipeline stage,
-    or wrapped for parallelism); a ValueError names a parameter no rule covers."""
+    or wrapped for parallelism); a ValueError names a parameter no rule covers.
+
+    A module may describe its own parameters (and its children's) with ``parameter_init_specs() -> {relative
+    name: InitSpec}`` (the vision tower, the projector, LoRA adapters); those take precedence over the rules."""
     args = model.args
     specs: dict[str, InitSpec] = {}
     unknown: list[str] = []
+    declared: dict[str, InitSpec] = {}
+    for module_name, module in model.named_modules():
+        own = getattr(module, "parameter_init_specs", None)
+        if callable(own):
+            for rel, spec in own().items():
+                declared[canonical_name(f"{module_name}.{rel}" if module_name else rel)] = spec
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             fqn = canonical_name(f"{module_name}.{name}" if module_name else name)
-            if fqn == "tok_embeddings.weight":
+            if fqn in declared:
+                spec = declared[fqn]
+            elif fqn == "tok_embeddings.weight":
                 spec = InitSpec("normal", std=args.init_std, zero_rows=(args.pad_token_id,))
             elif fqn == "output.weight":  # the lm_head: truncated normal, std H^-1/2, cut at 3 std
                 std = 1.0 / math.sqrt(param.shape[1])

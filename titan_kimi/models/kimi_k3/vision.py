@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lowerings.ops.vision_attention import block_diagonal_mask, vision_attention
+from titan_kimi.models.kimi_k3.init_specs import InitSpec
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 from titan_kimi.models.kimi_k3.vision_embed import PatchEmbed
 from titan_kimi.models.kimi_k3.vision_rope import apply_rope_2d, rope_2d_angles
@@ -156,3 +157,14 @@ class VisionTower(nn.Module):
     def init_weights(self) -> None:
         self.patch_embed.init_weights()
         self.encoder.init_weights()
+
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        """What ``init_weights`` draws, by name (for the seeded initialiser): norms 1, the rest N(0, init_std)."""
+        return vision_init_specs(self, self.args.init_std)
+
+
+def vision_init_specs(module: nn.Module, std: float) -> dict[str, InitSpec]:
+    """RMSNorm weights 1; every other parameter (linears, the patch convolution, the position grid) N(0, std)."""
+    norms = {name for name, m in module.named_modules() if isinstance(m, nn.RMSNorm)}
+    return {name: InitSpec("constant", value=1.0) if name.rsplit(".", 1)[0] in norms else InitSpec("normal", std=std)
+            for name, _ in module.named_parameters()}
