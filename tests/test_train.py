@@ -189,9 +189,18 @@ def test_image_text_and_lora_training_reject_pipeline_parallelism(vision, lora, 
     from types import SimpleNamespace
 
     cfg = load_job_config(["--model.vision_flavor", vision, "--lora.enable", str(lora).lower()], environ={})
-    layout = SimpleNamespace(pp=2)
+    layout = SimpleNamespace(pp=2, cp=1)
     trainer = SimpleNamespace(layout=layout, vision=object() if vision else None, cfg=cfg)
     with pytest.raises(ValueError, match=message):
         train.Trainer._reject_unbuilt_combinations(trainer)
     layout.pp = 1
     train.Trainer._reject_unbuilt_combinations(trainer)  # without pipeline parallelism both train
+
+
+def test_image_text_training_rejects_context_parallelism():
+    from types import SimpleNamespace
+
+    cfg = load_job_config(["--model.vision_flavor", "moonvit3d_debug"], environ={})
+    trainer = SimpleNamespace(layout=SimpleNamespace(pp=1, cp=2), vision=object(), cfg=cfg)
+    with pytest.raises(ValueError, match="context_parallel_degree = 2 with an image-text model"):
+        train.Trainer._reject_unbuilt_combinations(trainer)

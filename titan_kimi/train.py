@@ -154,7 +154,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _reject_unbuilt_combinations(self) -> None:
-        pp = self.layout.pp
+        pp, cp = self.layout.pp, self.layout.cp
+        if cp > 1 and self.vision is not None:
+            raise ValueError(
+                f"parallelism.context_parallel_degree = {cp} with an image-text model: sharding sequences whose "
+                "placeholders the model expands into image positions is not built (the seed's recipe is CP1); "
+                "train with context_parallel_degree = 1")
         if pp > 1 and self.vision is not None:
             raise ValueError(
                 f"parallelism.pipeline_parallel_degree = {pp} with an image-text model: splitting the packed images "
