@@ -36,7 +36,7 @@ k31_small() {  # $1 = tree, $2 = name, rest = overrides
 if want tests; then
   timeout 240 python3 -m pytest -m gpu --kernels-triton-autotune false tests/test_moe_gpu.py \
     tests/test_triton_kernels.py tests/test_sparse_mla_ws.py tests/test_topk_select.py tests/test_sparse_mla_plan.py \
-    tests/test_inductor_pass.py tests/test_compile_modes.py \
+    tests/test_inductor_pass.py tests/test_compile_modes.py tests/test_vision_lora_gpu.py \
     -q -rs -rf > "$OUT/pytest_gpu.log" 2>&1
   step pytest $?; tail -3 "$OUT/pytest_gpu.log"
 fi

@@ -36,3 +36,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shipped_reference(tmp_path_factory):
+    """``shipped_reference(name)``: the loss curve of one reference run of the shipped k31_debug recipe
+    (tests/test_parallel.py REFERENCE_RUNS), launched once per session however many tests compare with it."""
+    from tests.test_parallel import REFERENCE_RUNS, SHIPPED_STEPS, train
+
+    curves: dict[str, list[float]] = {}
+
+    def get(name: str) -> list[float]:
+        if name not in curves:
+            nproc, overrides = REFERENCE_RUNS[name]
+            curves[name] = train(tmp_path_factory.mktemp(name), *SHIPPED_STEPS, *overrides, nproc=nproc)
+        return curves[name]
+
+    return get

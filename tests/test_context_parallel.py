@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lowerings.ops.sequence_shards import chunk_slots, local_positions, rank_chunks
 from titan_kimi.models.kimi_k3 import KimiK3Model, build_sequence_info, model_args_for
 from titan_kimi.parallel.context_parallel import ContextParallel, apply_context_parallel
-from tests.test_parallel import close, launch, train
+from tests.test_parallel import SHIPPED_STEPS, close, launch, train
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -141,14 +141,16 @@ def test_training_step_under_cp_composed_with_fsdp_pp_ep_matches_one_process():
 
 
 @pytest.mark.slow
-def test_shipped_recipe_trains_under_cp_like_one_process(tmp_path):
-    """As a user types it (mixed precision on, zigzag by default), 8 steps, global batch 8."""
-    steps = ["--training.steps", "8", "--metrics.log_freq", "100"]
-    single = train(tmp_path / "single", *steps)
+def test_shipped_recipe_trains_under_cp_like_one_process(tmp_path, shipped_reference):
+    """As a user types it (mixed precision on, zigzag by default), 8 steps, global batch 8: the CP ranks share the
+    FSDP mesh, so the reference of the same precision policy is FSDP over 2 ranks (tests/test_parallel.py)."""
     cp2 = ["--parallelism.context_parallel_degree", "2"]
-    close(train(tmp_path / "cp2", *steps, *cp2, nproc=2), single)
-    close(train(tmp_path / "cp2_ep2", *steps, *cp2, "--parallelism.expert_parallel_degree", "2", nproc=2), single)
-    close(train(tmp_path / "cp2_pp2", *steps, *cp2, "--parallelism.pipeline_parallel_degree", "2", nproc=4), single)
+    reference = shipped_reference("fsdp2")
+    close(train(tmp_path / "cp2", *SHIPPED_STEPS, *cp2, nproc=2), reference)
+    close(train(tmp_path / "cp2_ep2", *SHIPPED_STEPS, *cp2, "--parallelism.expert_parallel_degree", "2", nproc=2),
+          reference)
+    close(train(tmp_path / "cp2_pp2", *SHIPPED_STEPS, *cp2, "--parallelism.pipeline_parallel_degree", "2", nproc=4),
+          reference)
 
 
 @pytest.mark.slow

@@ -1,9 +1,11 @@
 """Expert and pipeline parallelism on gloo, against one process with the same data, init and global batch.
 
 Tolerances: in fp32 every layout's gradients match one process to 1e-4 relative (observed ~5e-6: summation
-order). With the shipped recipe's bf16 mixed precision, losses follow one process within 2% at each of 8 steps
-(observed <= 0.8%) and within 0.5% at step 1: FSDP computes with bf16 copies of every parameter where one
-process autocasts the matmuls only, and bf16 rounding differs with the microbatch split.
+order). With the shipped recipe's bf16 mixed precision, each layout is compared with a reference of the same
+precision policy: FSDP layouts with FSDP over 2 ranks (bf16 copies of every parameter), layouts without FSDP
+(pipeline parallelism alone) with one process (autocast matmuls). Losses then agree within 2% at each of 8 steps
+(observed <= 0.85%, PP2 against one process: the 8 microbatches round differently) and within 0.5% at step 1.
+Between the two policies the curves differ by up to ~2% after 8 steps, which is why they are not mixed.
 """
 
 import json
@@ -64,25 +66,33 @@ def close(curve: list[float], reference: list[float]) -> None:
         assert abs(a - b) <= 2e-2 * b, (curve, reference)
 
 
+# 8 steps of the shipped recipe, global batch 8: the references of tests/conftest.py's shipped_reference.
+SHIPPED_STEPS = ["--training.steps", "8", "--metrics.log_freq", "100"]
+REFERENCE_RUNS = {
+    "one_process": (0, []),
+    "one_process_pp_flavor": (0, ["--model.flavor", "k31_debug_pp"]),
+    "fsdp2": (2, ["--training.local_batch_size", "4"]),
+}
+
+
 @pytest.mark.slow
-def test_shipped_recipe_trains_under_every_layout_like_one_process(tmp_path):
+def test_shipped_recipe_trains_under_every_layout_like_one_process(tmp_path, shipped_reference):
     """As users type it (mixed precision on), 8 steps, global batch 8."""
-    steps = ["--training.steps", "8", "--metrics.log_freq", "100"]
-    single = train(tmp_path / "single", *steps)
-    single_pp = train(tmp_path / "single_pp", *steps, "--model.flavor", "k31_debug_pp")
-    assert single[-1] < 0.75 * single[0]
+    assert shipped_reference("one_process")[-1] < 0.75 * shipped_reference("one_process")[0]
     runs = {
-        "ep2": (2, single, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]),
-        "pp2": (2, single, ["--parallelism.pipeline_parallel_degree", "2"]),
-        "pp2_interleaved": (2, single_pp, ["--model.flavor", "k31_debug_pp", "--parallelism.pipeline_parallel_degree",
-                                           "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
-        "pp2_zbv": (2, single_pp, ["--model.flavor", "k31_debug_pp", "--parallelism.pipeline_parallel_degree", "2",
-                                   "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
-        "pp2_ep2_fsdp2": (4, single, ["--parallelism.pipeline_parallel_degree", "2",
-                                      "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]),
+        "ep2": (2, "fsdp2", ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]),
+        "pp2": (2, "one_process", ["--parallelism.pipeline_parallel_degree", "2"]),
+        "pp2_interleaved": (2, "one_process_pp_flavor", [
+            "--model.flavor", "k31_debug_pp", "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+        "pp2_zbv": (2, "one_process_pp_flavor", [
+            "--model.flavor", "k31_debug_pp", "--parallelism.pipeline_parallel_degree", "2",
+            "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+        "pp2_ep2_fsdp2": (4, "fsdp2", ["--parallelism.pipeline_parallel_degree", "2",
+                                       "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]),
     }
     for name, (nproc, reference, overrides) in runs.items():
-        close(train(tmp_path / name, *steps, *overrides, nproc=nproc), reference)
+        close(train(tmp_path / name, *SHIPPED_STEPS, *overrides, nproc=nproc), shipped_reference(reference))
 
 
 @pytest.mark.slow
