@@ -50,7 +50,9 @@ def test_moe_without_expert_parallelism_never_waits_for_the_host():
     """EP = 1: routing, the aligned grouped GEMMs, the load counter and the combine queue work without a
     device-to-host sync (CUDA's sync debug mode raises on any)."""
     torch.manual_seed(2)
-    moe = LatentMoE(model_args_for("k3_debug", num_experts=16)).cuda().to(torch.bfloat16)
+    moe = LatentMoE(model_args_for("k3_debug", num_experts=16))
+    moe.init_weights()
+    moe = moe.cuda().to(torch.bfloat16)
     moe.router.float()
     x = torch.randn(2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     moe(x).sum().backward()  # warm-up: first calls may initialise libraries

@@ -38,6 +38,8 @@ def test_lora_experts_on_cuda_match_fp32():
     moe = LatentMoE(model_args_for("k3_debug", num_experts=16))
     moe.init_weights()
     experts = add_adapter(moe.experts, rank=8, alpha=16.0, dropout=0.0)
+    experts.w13.requires_grad_(False)  # as apply_lora freezes the base weights
+    experts.w2.requires_grad_(False)
     with torch.no_grad():  # B = 0 at init: give the adapters a non-zero update to compare
         for name in ("lora_B_w13", "lora_B_w2"):
             getattr(experts, name).normal_(0, 0.05)

@@ -120,7 +120,11 @@ def _aligned_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert, align: int =
     row = torch.arange(rows, device=x.device)
     expert = torch.searchsorted(ends, row, right=True)
     dest = (padded.cumsum(0) - padded)[expert] + row - (ends - counts)[expert]
-    buffer = x.new_zeros(rows + experts * (align - 1), x.shape[1]).index_copy(0, dest, x)
+    # Gather into the padded layout (padding rows read an appended zero row) rather than scatter: autograd's
+    # index_copy keeps its whole source for backward, a gather keeps only the indices.
+    source = torch.full((rows + experts * (align - 1),), rows, dtype=torch.int64, device=x.device)
+    source[dest] = row
+    buffer = torch.cat([x, x.new_zeros(1, x.shape[1])])[source]
     return run(w13, w2, buffer, padded)[dest]
 
 
