@@ -4,7 +4,8 @@
 # image-text recipe with and without LoRA, and the context-parallel GPU checks. Everything lands in
 # $OUT/all.tgz, refreshed after each step, so a call cut short still returns what finished.
 #   usage: OUT=/tmp/out PARTS="tests before_after" bash scripts/gpu_session6.sh
-# PARTS (default all): tests before_after vl cp kda
+# PARTS (default all): tests new_tests before_after after_before vl cp kda
+#   new_tests: only this session's GPU tests; after_before: the same comparison in the other order
 set -u
 PARTS=${PARTS:-tests before_after vl cp kda}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -40,9 +41,18 @@ if want tests; then
     -q -rs -rf > "$OUT/pytest_gpu.log" 2>&1
   step pytest $?; tail -3 "$OUT/pytest_gpu.log"
 fi
+if want new_tests; then
+  timeout 200 python3 -m pytest -m gpu --kernels-triton-autotune false tests/test_moe_gpu.py \
+    tests/test_vision_lora_gpu.py -q -rs -rf > "$OUT/pytest_new_gpu.log" 2>&1
+  step pytest_new $?; tail -3 "$OUT/pytest_new_gpu.log"
+fi
 if want before_after; then
   k31_small .before before_eager
   k31_small . after_eager
+fi
+if want after_before; then
+  k31_small . after_eager_2
+  k31_small .before before_eager_2
 fi
 if want vl; then
   timeout 280 python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train \
