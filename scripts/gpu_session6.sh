@@ -4,7 +4,7 @@
 # image-text recipe with and without LoRA, and the context-parallel GPU checks. Everything lands in
 # $OUT/all.tgz, refreshed after each step, so a call cut short still returns what finished.
 #   usage: OUT=/tmp/out PARTS="tests before_after" bash scripts/gpu_session6.sh
-# PARTS (default all): tests new_tests before_after after_before vl cp kda
+# PARTS (default all): tests new_tests before_after after_before moe vl cp kda
 #   new_tests: only this session's GPU tests; after_before: the same comparison in the other order
 set -u
 PARTS=${PARTS:-tests before_after vl cp kda}
@@ -53,6 +53,10 @@ fi
 if want after_before; then
   k31_small . after_eager_2
   k31_small .before before_eager_2
+fi
+if want moe; then
+  timeout 120 python3 scripts/bench_moe_alignment.py > "$OUT/bench_moe_alignment.md" 2>&1
+  step bench_moe $?; cat "$OUT/bench_moe_alignment.md"
 fi
 if want vl; then
   timeout 280 python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train \
