@@ -116,3 +116,24 @@ def test_row_alignment_keeps_only_indices_for_backward():
     with saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         _aligned_for_grouped_mm(run, None, None, x, counts)
     assert not any(t.is_floating_point() for t in saved), [(t.dtype, tuple(t.shape)) for t in saved]
+
+
+def test_compiled_experts_under_autocast_use_grouped_gemm(monkeypatch):
+    """fp32 rows under bf16 autocast (fp32 master weights, one process) go to the grouped GEMM in bf16 as
+    autocast would, never to _masked_mm (every expert times every row) in the compiled step."""
+    from titan_kimi.models.kimi_k3 import moe
+
+    def masked(*args):
+        raise AssertionError("the compiled experts fell back to _masked_mm")
+
+    monkeypatch.setattr(moe, "_masked_mm", masked)
+    torch.manual_seed(0)
+    experts = moe.GroupedExperts(4, 16, 16, 4.0, 25.0, 0.02)
+    experts.init_weights()
+    x, counts = torch.randn(32, 16), torch.tensor([8, 4, 12, 8])
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(experts.run, fullgraph=True)(experts.w13, experts.w2, x, counts)
+    ref = experts.run(experts.w13.bfloat16(), experts.w2.bfloat16(), x.bfloat16(), counts)
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

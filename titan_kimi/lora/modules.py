@@ -27,7 +27,7 @@ from lowerings import ops
 from titan_kimi.checkpoint.hf_keys import is_adapter_key
 from titan_kimi.models.kimi_k3.head import LMHead
 from titan_kimi.models.kimi_k3.init_specs import InitSpec
-from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul
+from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul, expert_matmul_dtype
 
 
 class _LoRAMixin:
@@ -103,8 +103,8 @@ class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
 
     def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
             num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        w13, w2 = w13.to(dtype), w2.to(dtype)
+        dtype = expert_matmul_dtype(x)  # as the base experts: autocast's dtype when it is on
+        x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         # Under expert parallelism the factors are Shard(0) DTensors like the experts: use the local experts'.
         factors = [p.to_local() if isinstance(p, DTensor) else p
                    for p in (self.lora_A_w13, self.lora_B_w13, self.lora_A_w2, self.lora_B_w2)]

@@ -73,8 +73,11 @@ class GroupedExperts(nn.Module):
     def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
             num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The expert MLPs on ``x`` whose rows are grouped by expert (``num_tokens_per_expert`` rows each)."""
-        # grouped_mm is not autocast-aware: follow the activations' dtype (a no-op under FSDP mixed precision).
-        w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
+        # grouped_mm is not autocast-aware: do what autocast does for a matmul (both operands in its dtype), else
+        # follow the activations' dtype (a no-op under FSDP mixed precision). fp32 activations under autocast
+        # would otherwise send the compiled step to _masked_mm, E times the work.
+        dtype = expert_matmul_dtype(x)
+        x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         h = expert_matmul(x, w13.transpose(-2, -1), offsets)
         h = ops.situ_glu(h, self.beta, self.beta_lin)
@@ -83,6 +86,12 @@ class GroupedExperts(nn.Module):
     def init_weights(self) -> None:
         nn.init.normal_(self.w13, mean=0.0, std=self.init_std)
         nn.init.normal_(self.w2, mean=0.0, std=self.init_std)
+
+
+def expert_matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
