@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One-H200 speed measurements (issue 17) in parts, each archived into $OUT/all.tgz as it ends, so a call cut short
+# still returns what finished. "before" runs the tree unpacked in .before/ (`git archive <commit>`), "after" this one.
+#   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
+# PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
+#   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
+#   weights, + profile), after (the same, and the bf16 setting eager vs compiled, + profiles), recipes (the shipped
+#   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step)
+set -u
+PARTS=${PARTS:-tests ops}
+want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+OUT=${OUT:-/tmp/gpu_measure_speed}
+mkdir -p "$OUT"
+if [ -d .whl ]; then  # the GPU machine has no network: wheels travel with the tree
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'cuda', torch.version.cuda)"
+  date -u; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+T0=$(date +%s)
+step() {
+  echo "[$1] rc=$2 at $(( $(date +%s) - T0 ))s"
+  (cd "$OUT" && tar czf all.tgz.part --exclude=all.tgz --exclude=all.tgz.part . 2>/dev/null && mv all.tgz.part all.tgz)
+}
+K3_SMALL=(--flavor k3_small --config train_configs/k31_small.toml --seq-len 8192 --batch 1 --steps 20
+          --lr-warmup-steps 5 --cache warm --no-plot)
+BF16=(--model.dtype bfloat16 --optimizer.state_dtype bfloat16)
+ablate() {  # $1 = tree, $2 = name, $3 = modes, rest = ablate_compile.py options then "--" overrides
+  local tree=$1 name=$2 modes=$3; shift 3
+  (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 300 python3 scripts/ablate_compile.py "${K3_SMALL[@]}" \
+    --modes "$modes" --profile --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1)
+  step "$name" $?; cat "$OUT/$name/results.md" 2>/dev/null | tail -4
+}
+recipe() {  # $1 = recipe, $2 = name: a fresh Inductor cache, launch -> first step from the log's clock
+  local t=$(date +%s)
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$2 TRITON_CACHE_DIR=/tmp/triton_$2 timeout 280 \
+    python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train --job.config_file "$1" \
+    --training.steps 20 --metrics.log_freq 1 --job.dump_folder "/tmp/$2" > "$OUT/$2.log" 2>&1
+  step "$2" $?
+  python3 - "$OUT/$2.log" "$t" <<'EOF'
+import datetime, re, sys
+log, launched = sys.argv[1], int(sys.argv[2])
+for line in open(log):
+    m = re.match(r"\[rank0\] (\d\d):(\d\d):(\d\d) step 1 ", line)
+    if m:
+        start = datetime.datetime.fromtimestamp(launched, datetime.timezone.utc)
+        first = start.replace(hour=int(m[1]), minute=int(m[2]), second=int(m[3]))
+        print(f"launch -> first step finished: {(first - start).total_seconds():.0f} s")
+EOF
+  grep -E "summary|Error" "$OUT/$2.log" | tail -2
+}
+
+if want tests; then
+  tests=(tests/test_moe_gpu.py)
+  for t in tests/test_linear_cross_entropy_gpu.py tests/test_optimizer_gpu.py tests/test_dsa_shortcut_gpu.py; do
+    [ -f "$t" ] && tests+=("$t")
+  done
+  timeout 240 python3 -m pytest -m gpu --kernels-triton-autotune false "${tests[@]}" -q -rs -rf \
+    > "$OUT/pytest_gpu.log" 2>&1
+  step pytest $?; tail -4 "$OUT/pytest_gpu.log"
+fi
+if want ops; then
+  [ -f scripts/bench_linear_cross_entropy.py ] && { timeout 200 python3 scripts/bench_linear_cross_entropy.py \
+    --out "$OUT/bench_linear_cross_entropy.json" > "$OUT/bench_linear_cross_entropy.md" 2>&1
+    step bench_ce $?; tail -12 "$OUT/bench_linear_cross_entropy.md"; }
+  [ -f scripts/bench_optimizer_step.py ] && { timeout 150 python3 scripts/bench_optimizer_step.py \
+    --out "$OUT/bench_optimizer_step.json" > "$OUT/bench_optimizer_step.md" 2>&1
+    step bench_optimizer $?; tail -10 "$OUT/bench_optimizer_step.md"; }
+fi
+if want cp_model; then
+  timeout 280 python3 -m pytest -m gpu tests/test_context_parallel_gpu.py -q -rs -rf -k model \
+    > "$OUT/pytest_cp_model_gpu.log" 2>&1
+  step pytest_cp_model $?; tail -3 "$OUT/pytest_cp_model_gpu.log"
+fi
+if want before; then
+  ablate .before before_fp32 default
+fi
+if want after; then
+  ablate . after_fp32 default
+  ablate . after_bf16 none,default -- "${BF16[@]}"
+fi
+if want recipes; then
+  recipe train_configs/k3_small.toml k3_small_recipe
+  recipe train_configs/k31_small.toml k31_small_recipe
+fi
+step done 0
