@@ -17,6 +17,8 @@ fi
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'cuda', torch.version.cuda)"
+  python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())" || true
+  python3 -c "import flash_mla; print('flash_mla present')" || true
   date -u; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 T0=$(date +%s)
