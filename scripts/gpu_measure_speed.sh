@@ -72,7 +72,7 @@ if want ops; then
     step bench_optimizer $?; tail -10 "$OUT/bench_optimizer_step.md"; }
 fi
 if want cp_model; then
-  timeout 280 python3 -m pytest -m gpu tests/test_context_parallel_gpu.py -q -rs -rf -k model \
+  timeout 220 python3 -m pytest -m gpu tests/test_context_parallel_gpu.py -q -rs -rf -k model \
     > "$OUT/pytest_cp_model_gpu.log" 2>&1
   step pytest_cp_model $?; tail -3 "$OUT/pytest_cp_model_gpu.log"
 fi
