@@ -21,7 +21,8 @@ from lowerings.ops.linear_cross_entropy_reference import IGNORE_INDEX, linear_cr
 from lowerings.ops.registry import all_of, cuda_available, module_available, on_cuda, op_backends, selected_backend
 
 BACKENDS = op_backends("linear_cross_entropy")
-# auto order: the fastest measured on one H200 first (scripts/bench_linear_cross_entropy.py; docs/perf.md).
+# auto order: cce first (no logits in HBM, no host sync), then liger. Not yet measured on the H200: confirm
+# or reorder with scripts/bench_linear_cross_entropy.py, which prints the fastest exact backend per shape.
 BACKENDS.add("cce", all_of(cuda_available, module_available("cut_cross_entropy")), auto_rank=0)
 BACKENDS.add("liger", all_of(cuda_available, module_available("liger_kernel")), auto_rank=1)
 BACKENDS.add("cce_filtered", all_of(cuda_available, module_available("cut_cross_entropy")))  # never auto: approximate
