@@ -172,3 +172,18 @@ def test_head_and_loss_use_the_op():
     assert _rel(loss, ref) < 1e-5
     loss.backward()
     assert _rel(head.weight.grad, torch.autograd.grad(ref, [weight])[0]) < 1e-5
+
+
+def test_auto_falls_back_past_a_missing_package_with_one_log_line(monkeypatch, caplog):
+    from lowerings.ops.linear_cross_entropy import BACKENDS
+
+    # As on a GPU machine without cut-cross-entropy: cce unavailable, liger available.
+    monkeypatch.setitem(BACKENDS.checks, "cce", lambda: "python module 'cut_cross_entropy' is not installed")
+    monkeypatch.setitem(BACKENDS.checks, "liger", lambda: None)
+    before = selected_backend("linear_cross_entropy")
+    with caplog.at_level(logging.INFO, logger="lowerings.ops.registry"):
+        assert configure_backends({"linear_cross_entropy": "auto"}) == {"linear_cross_entropy": "liger"}
+    lines = [r.getMessage() for r in caplog.records if "linear_cross_entropy" in r.getMessage()]
+    assert lines == ["kernels.linear_cross_entropy = auto -> liger "
+                     "(skipped cce: python module 'cut_cross_entropy' is not installed)"]
+    configure_backends({"linear_cross_entropy": before})
