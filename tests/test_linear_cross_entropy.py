@@ -187,3 +187,14 @@ def test_auto_falls_back_past_a_missing_package_with_one_log_line(monkeypatch, c
     assert lines == ["kernels.linear_cross_entropy = auto -> liger "
                      "(skipped cce: python module 'cut_cross_entropy' is not installed)"]
     configure_backends({"linear_cross_entropy": before})
+
+
+def test_strided_inputs():
+    hidden, weight, labels = _inputs(8)
+    h_t = hidden.detach().t().contiguous().t().requires_grad_()  # column-major [T, H]
+    w_t = weight.detach().t().contiguous().t().requires_grad_()
+    torch.library.opcheck(torch.ops.titan_kimi.linear_cross_entropy.default, (h_t, w_t, labels, 8, True, True))
+    loss = ops.linear_cross_entropy(h_t, w_t, labels, normalizer=9.0)
+    ref = _full_ce(hidden, weight, labels, 9.0)
+    for got, want in zip(torch.autograd.grad(loss, [h_t, w_t]), torch.autograd.grad(ref, [hidden, weight])):
+        assert _rel(got, want) < 1e-5

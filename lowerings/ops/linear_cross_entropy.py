@@ -52,16 +52,17 @@ def linear_cross_entropy_op(
     grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, d_hidden, d_weight = _run_backend(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
+    # Contiguous whatever the inputs' strides, as the fake says (compiled graphs check output strides).
     return (loss,
-            d_hidden.to(hidden.dtype) if grad_hidden else hidden.new_empty(_EMPTY),
-            d_weight.to(weight.dtype) if grad_weight else weight.new_empty(_EMPTY))
+            d_hidden.to(hidden.dtype).contiguous() if grad_hidden else hidden.new_empty(_EMPTY),
+            d_weight.to(weight.dtype).contiguous() if grad_weight else weight.new_empty(_EMPTY))
 
 
 @linear_cross_entropy_op.register_fake
 def _(hidden, weight, labels, chunk_size, grad_hidden, grad_weight):
     return (hidden.new_empty((), dtype=torch.float32),
-            torch.empty_like(hidden) if grad_hidden else hidden.new_empty(_EMPTY),
-            torch.empty_like(weight) if grad_weight else weight.new_empty(_EMPTY))
+            hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(_EMPTY),
+            weight.new_empty(weight.shape) if grad_weight else weight.new_empty(_EMPTY))
 
 
 def _setup_context(ctx, inputs, output):
