@@ -177,15 +177,15 @@ def test_head_and_loss_use_the_op():
 def test_auto_falls_back_past_a_missing_package_with_one_log_line(monkeypatch, caplog):
     from lowerings.ops.linear_cross_entropy import BACKENDS
 
-    # As on a GPU machine without cut-cross-entropy: cce unavailable, liger available.
-    monkeypatch.setitem(BACKENDS.checks, "cce", lambda: "python module 'cut_cross_entropy' is not installed")
-    monkeypatch.setitem(BACKENDS.checks, "liger", lambda: None)
+    # As on a GPU machine without liger-kernel (auto's first choice) but with cut-cross-entropy.
+    monkeypatch.setitem(BACKENDS.checks, "liger", lambda: "python module 'liger_kernel' is not installed")
+    monkeypatch.setitem(BACKENDS.checks, "cce", lambda: None)
     before = selected_backend("linear_cross_entropy")
     with caplog.at_level(logging.INFO, logger="lowerings.ops.registry"):
-        assert configure_backends({"linear_cross_entropy": "auto"}) == {"linear_cross_entropy": "liger"}
+        assert configure_backends({"linear_cross_entropy": "auto"}) == {"linear_cross_entropy": "cce"}
     lines = [r.getMessage() for r in caplog.records if "linear_cross_entropy" in r.getMessage()]
-    assert lines == ["kernels.linear_cross_entropy = auto -> liger "
-                     "(skipped cce: python module 'cut_cross_entropy' is not installed)"]
+    assert lines == ["kernels.linear_cross_entropy = auto -> cce "
+                     "(skipped liger: python module 'liger_kernel' is not installed)"]
     configure_backends({"linear_cross_entropy": before})
 
 

@@ -21,10 +21,12 @@ from lowerings.ops.linear_cross_entropy_reference import IGNORE_INDEX, linear_cr
 from lowerings.ops.registry import all_of, cuda_available, module_available, on_cuda, op_backends, selected_backend
 
 BACKENDS = op_backends("linear_cross_entropy")
-# auto order: cce first (no logits in HBM, no host sync), then liger. Not yet measured on the H200: confirm
-# or reorder with scripts/bench_linear_cross_entropy.py, which prints the fastest exact backend per shape.
-BACKENDS.add("cce", all_of(cuda_available, module_available("cut_cross_entropy")), auto_rank=0)
-BACKENDS.add("liger", all_of(cuda_available, module_available("liger_kernel")), auto_rank=1)
+# auto order, estimated, not yet measured on the H200: liger first (its three GEMMs per chunk are cuBLAS, about
+# the 24 ms of bf16 peak at k3_small, plus ~3 ms of bf16 logits traffic and one host sync), then cce (no logits
+# in HBM and no sync, but Triton GEMMs with 32-wide K tiles and lock-serialised gradient accumulation).
+# scripts/bench_linear_cross_entropy.py prints the fastest exact backend per shape: reorder if it disagrees.
+BACKENDS.add("liger", all_of(cuda_available, module_available("liger_kernel")), auto_rank=0)
+BACKENDS.add("cce", all_of(cuda_available, module_available("cut_cross_entropy")), auto_rank=1)
 BACKENDS.add("cce_filtered", all_of(cuda_available, module_available("cut_cross_entropy")))  # never auto: approximate
 
 _EMPTY = (0,)
