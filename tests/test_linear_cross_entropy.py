@@ -111,6 +111,11 @@ def test_frozen_head_gets_no_weight_gradient_buffer():
     assert _rel(d_hidden, torch.autograd.grad(ref, [hidden])[0]) < 1e-5
 
 
+def test_op_runs_outside_cuda_graphs():
+    # the fused backends sync with the host: reduce-overhead must partition the graph around the op
+    assert torch._C.Tag.cudagraph_unsafe in torch.ops.titan_kimi.linear_cross_entropy.default.tags
+
+
 def test_opcheck():
     hidden, weight, labels = _inputs(5)
     for grad_hidden, grad_weight in [(True, True), (True, False), (False, False)]:

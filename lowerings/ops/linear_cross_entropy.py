@@ -30,6 +30,10 @@ BACKENDS.add("cce", all_of(cuda_available, module_available("cut_cross_entropy")
 BACKENDS.add("cce_filtered", all_of(cuda_available, module_available("cut_cross_entropy")))  # never auto: approximate
 
 _EMPTY = (0,)
+# The fused backends sync with the host (cut-cross-entropy sizes its grids by the count of valid labels, liger
+# reads it with .item()): the tag makes Inductor's graph partitioning (reduce-overhead) run the op between CUDA
+# graphs, never inside one. One op of a few long kernels per step: nothing to gain from capturing it.
+_OUTSIDE_CUDA_GRAPHS = (torch._C.Tag.cudagraph_unsafe,)
 
 
 def _run_backend(hidden, weight, labels, chunk_size, grad_hidden, grad_weight):
@@ -48,7 +52,7 @@ def _run_backend(hidden, weight, labels, chunk_size, grad_hidden, grad_weight):
     return linear_cross_entropy_reference(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
 
 
-@torch.library.custom_op("titan_kimi::linear_cross_entropy", mutates_args=())
+@torch.library.custom_op("titan_kimi::linear_cross_entropy", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
 def linear_cross_entropy_op(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, grad_hidden: bool,
     grad_weight: bool,
