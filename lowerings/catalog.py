@@ -22,4 +22,7 @@ BACKEND_OPS: dict[str, OpEntry] = {
     "sparse_mla": OpEntry("sparse MLA backend", ("dense", "reference", "triton", "cudnn", "flash_mla")),
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
     "attn_res_mix": OpEntry("attention-residual mix backend", ("reference", "triton")),
+    "linear_cross_entropy": OpEntry(
+        "lm_head + cross-entropy backend (cce_filtered skips gradient blocks below bf16 precision: opt-in only)",
+        ("reference", "cce", "cce_filtered", "liger")),
 }

@@ -16,7 +16,7 @@ def test_chunked_ce_equals_full_ce(chunk):
     labels[0, :5] = -100
     labels[2, -3:] = -100
     normalizer = 40.0  # e.g. valid tokens over the whole step, not just this batch
-    loss = ops.chunked_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer, chunk_size=chunk)
+    loss = ops.linear_cross_entropy(hidden, weight, labels, normalizer=normalizer, chunk_size=chunk)
     ref = F.cross_entropy((hidden @ weight.t()).view(-1, 50), labels.view(-1), ignore_index=-100, reduction="sum") / normalizer
     assert torch.allclose(loss, ref, rtol=1e-6)
     g = torch.autograd.grad(2.5 * loss, [hidden, weight])
@@ -29,10 +29,10 @@ def test_chunked_ce_all_ignored_gives_zero_and_rejects_bad_args():
     hidden = torch.randn(4, 8, requires_grad=True)
     weight = torch.randn(10, 8)
     labels = torch.full((4,), -100)
-    loss = ops.chunked_linear_cross_entropy(hidden, weight, labels, normalizer=0, chunk_size=2)
+    loss = ops.linear_cross_entropy(hidden, weight, labels, normalizer=0, chunk_size=2)
     loss.backward()
     assert loss.item() == 0.0 and hidden.grad.abs().sum() == 0
     with pytest.raises(ValueError, match="chunk_size"):
-        ops.chunked_linear_cross_entropy(hidden, weight, labels, normalizer=1, chunk_size=0)
+        ops.linear_cross_entropy(hidden, weight, labels, normalizer=1, chunk_size=0)
     with pytest.raises(ValueError, match="disagree"):
-        ops.chunked_linear_cross_entropy(hidden, weight, labels[:3], normalizer=1)
+        ops.linear_cross_entropy(hidden, weight, labels[:3], normalizer=1)

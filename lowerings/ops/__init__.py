@@ -5,7 +5,7 @@ from lowerings.ops.attn_res_mix import attn_res_mix
 from lowerings.ops.indexer_topk import indexer_topk
 from lowerings.ops.kda import kda
 from lowerings.ops.kda_cp import kda_context_parallel
-from lowerings.ops.linear_cross_entropy import IGNORE_INDEX, chunked_linear_cross_entropy
+from lowerings.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from lowerings.ops.registry import configure_backends, known_ops, op_backends, selected_backend
 from lowerings.ops.situ_glu import situ_glu
 from lowerings.ops.sparse_mla import sparse_mla
@@ -14,13 +14,13 @@ __all__ = [
     "attn_res_mix",
     "IGNORE_INDEX",
     "causal_attention",
-    "chunked_linear_cross_entropy",
     "configure_backends",
     "document_causal_mask",
     "indexer_topk",
     "kda",
     "kda_context_parallel",
     "known_ops",
+    "linear_cross_entropy",
     "op_backends",
     "selected_backend",
     "situ_glu",

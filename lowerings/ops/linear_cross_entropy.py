@@ -1,49 +1,96 @@
-"""Chunked linear + cross-entropy: logits exist for one chunk of tokens at a time, never the whole batch.
+"""``titan_kimi::linear_cross_entropy``: the lm_head GEMM fused with the cross-entropy, logits never whole.
 
-The forward computes, chunk by chunk, the loss and the gradients with respect to the hidden states and the
-lm_head weight; backward only scales them. Peak memory is one ``[chunk, vocab]`` fp32 block, whatever the
-sequence length (spec: ChunkedCrossEntropy, 512-token chunks).
+Contract of the op: ``(hidden [T, H], weight [V, H], labels [T], chunk_size, grad_hidden, grad_weight)`` ->
+``(loss_sum, d_hidden, d_weight)``: the CE summed over tokens whose label is not -100, and the gradients of
+that sum computed in the same pass (the loss is the graph's last node, so its upstream gradient is a scalar:
+backward only scales them). A gradient not asked for is an empty tensor and costs nothing, so under no-grad
+(validation) or with a frozen head the op computes only the loss. The division by the normaliser stays outside
+the op, in plain autograd, so the backward's one scale is ``grad_output / normalizer``.
+
+Backends (``kernels.linear_cross_entropy``): ``reference`` (chunked fp32 math, the CPU path and the numerics
+reference; ``chunk_size`` = ``training.loss_chunk_size`` is its token chunk), ``cce`` and ``cce_filtered``
+(Apple's cut-cross-entropy Triton kernels, exact / with its gradient filtering), ``liger`` (liger-kernel's
+chunked fused linear CE). CUDA tensors only for the fused ones; everything else runs the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-IGNORE_INDEX = -100
+from lowerings.ops.linear_cross_entropy_reference import IGNORE_INDEX, linear_cross_entropy_reference
+from lowerings.ops.registry import all_of, cuda_available, module_available, on_cuda, op_backends, selected_backend
+
+BACKENDS = op_backends("linear_cross_entropy")
+# auto order, estimated, not yet measured on the H200: liger first (its three GEMMs per chunk are cuBLAS, about
+# the 24 ms of bf16 peak at k3_small, plus ~3 ms of bf16 logits traffic and one host sync), then cce (no logits
+# in HBM and no sync, but Triton GEMMs with 32-wide K tiles and lock-serialised gradient accumulation).
+# scripts/bench_linear_cross_entropy.py prints the fastest exact backend per shape: reorder if it disagrees.
+BACKENDS.add("liger", all_of(cuda_available, module_available("liger_kernel")), auto_rank=0)
+BACKENDS.add("cce", all_of(cuda_available, module_available("cut_cross_entropy")), auto_rank=1)
+BACKENDS.add("cce_filtered", all_of(cuda_available, module_available("cut_cross_entropy")))  # never auto: approximate
+
+_EMPTY = (0,)
+# The fused backends sync with the host (cut-cross-entropy sizes its grids by the count of valid labels, liger
+# reads it with .item()): the tag makes Inductor's graph partitioning (reduce-overhead) run the op between CUDA
+# graphs, never inside one. One op of a few long kernels per step: nothing to gain from capturing it.
+_OUTSIDE_CUDA_GRAPHS = (torch._C.Tag.cudagraph_unsafe,)
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size: int, normalizer):
-        tokens, _ = hidden.shape
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, tokens, chunk_size):
-            h = hidden[start : start + chunk_size]
-            y = labels[start : start + chunk_size]
-            logits = (h @ weight.t()).float()
-            valid = y != IGNORE_INDEX
-            target = torch.where(valid, y, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target.unsqueeze(1)).squeeze(1)
-            total = total + torch.where(valid, lse - picked, 0.0).sum()
-            # d(loss)/d(logits) = softmax - onehot on valid rows, already divided by the normaliser.
-            grad_logits = torch.exp(logits - lse.unsqueeze(1))
-            grad_logits.scatter_add_(1, target.unsqueeze(1), torch.full_like(picked, -1.0).unsqueeze(1))
-            grad_logits = grad_logits * (valid.unsqueeze(1) / normalizer)
-            grad_hidden[start : start + chunk_size] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            grad_weight += grad_logits.t() @ h.float()
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total / normalizer
+def _run_backend(hidden, weight, labels, chunk_size, grad_hidden, grad_weight):
+    backend = selected_backend("linear_cross_entropy")
+    fused = backend != "reference" and on_cuda(hidden)
+    if fused and backend in ("cce", "cce_filtered") and hidden.dtype in (torch.bfloat16, torch.float16):
+        from lowerings.kernels.linear_cross_entropy_cce import cce_linear_cross_entropy, filter_eps_for
 
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_output.to(grad_hidden.dtype), grad_weight * grad_output.to(grad_weight.dtype), None, None, None
+        eps = filter_eps_for(hidden.dtype) if backend == "cce_filtered" else None
+        return cce_linear_cross_entropy(hidden, weight, labels, grad_hidden, grad_weight, eps)
+    if fused and backend == "liger":
+        from lowerings.kernels.linear_cross_entropy_liger import liger_linear_cross_entropy
+
+        return liger_linear_cross_entropy(hidden, weight, labels, grad_hidden, grad_weight)
+    # CPU, the reference backend, or fp32 inputs under cce (its backward kernel takes half precision only).
+    return linear_cross_entropy_reference(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
 
 
-def chunked_linear_cross_entropy(
+@torch.library.custom_op("titan_kimi::linear_cross_entropy", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
+def linear_cross_entropy_op(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, grad_hidden: bool,
+    grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, d_hidden, d_weight = _run_backend(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
+    # Contiguous whatever the inputs' strides, as the fake says (compiled graphs check output strides).
+    return (loss,
+            d_hidden.to(hidden.dtype).contiguous() if grad_hidden else hidden.new_empty(_EMPTY),
+            d_weight.to(weight.dtype).contiguous() if grad_weight else weight.new_empty(_EMPTY))
+
+
+@linear_cross_entropy_op.register_fake
+def _(hidden, weight, labels, chunk_size, grad_hidden, grad_weight):
+    return (hidden.new_empty((), dtype=torch.float32),
+            hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(_EMPTY),
+            weight.new_empty(weight.shape) if grad_weight else weight.new_empty(_EMPTY))
+
+
+def _setup_context(ctx, inputs, output):
+    _, d_hidden, d_weight = output
+    _, _, _, _, grad_hidden, grad_weight = inputs
+    ctx.mark_non_differentiable(d_hidden, d_weight)
+    ctx.save_for_backward(d_hidden, d_weight)
+    ctx.wanted = (grad_hidden, grad_weight)
+
+
+def _backward(ctx, grad_loss, _grad_d_hidden, _grad_d_weight):
+    d_hidden, d_weight = ctx.saved_tensors
+    grad_hidden, grad_weight = ctx.wanted
+    return (d_hidden * grad_loss.to(d_hidden.dtype) if grad_hidden else None,
+            d_weight * grad_loss.to(d_weight.dtype) if grad_weight else None,
+            None, None, None, None)
+
+
+torch.library.register_autograd("titan_kimi::linear_cross_entropy", _backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -55,13 +102,19 @@ def chunked_linear_cross_entropy(
 
     ``hidden [..., H]``, ``labels [...]``. ``normalizer`` is the number of valid tokens over the whole
     optimizer step (all micro-batches and data-parallel ranks), so summing the per-micro-batch losses over
-    ranks gives the global mean.
+    ranks gives the global mean. ``chunk_size`` is the reference backend's token chunk.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree")
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} disagree on the hidden size")
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
-    return _ChunkedLinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size, normalizer
+    grads = torch.is_grad_enabled()
+    loss_sum, _, _ = linear_cross_entropy_op(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size,
+        grads and hidden.requires_grad, grads and weight.requires_grad,
     )
+    return loss_sum / normalizer
+

@@ -44,16 +44,23 @@ class OpBackends:
         if auto_rank is not None:
             self.auto_order.insert(min(auto_rank, len(self.auto_order)), name)
 
+    def resolve_auto(self) -> tuple[str, dict[str, str]]:
+        """The first available backend of the preference order, and why each one before it was skipped."""
+        skipped = {}
+        for candidate in self.auto_order:
+            reason = self.checks[candidate]()
+            if reason is None:
+                return candidate, skipped
+            skipped[candidate] = reason
+        return "reference", skipped
+
     def choices(self) -> list[str]:
         return ["auto", *BACKEND_OPS[self.op].backends]
 
     def resolve(self, name: str) -> str:
         """Return the concrete backend for ``name`` or raise ValueError saying why it cannot run here."""
         if name == "auto":
-            for candidate in self.auto_order:
-                if self.checks[candidate]() is None:
-                    return candidate
-            return "reference"
+            return self.resolve_auto()[0]
         if name not in self.checks:
             raise ValueError(f"kernels.{self.op} = {name!r} is not a backend of {self.op}; valid: {self.choices()}")
         reason = self.checks[name]()
@@ -96,7 +103,9 @@ def configure_backends(choices: Mapping[str, str]) -> dict[str, str]:
     for op, name in resolved.items():
         _REGISTRY[op].selected = name
         if choices[op] == "auto":
-            logger.info("kernels.%s = auto -> %s", op, name)
+            skipped = _REGISTRY[op].resolve_auto()[1]
+            because = "; ".join(f"{k}: {v}" for k, v in skipped.items())
+            logger.info("kernels.%s = auto -> %s%s", op, name, f" (skipped {because})" if because else "")
     return resolved
 
 

@@ -66,7 +66,8 @@ class Training:
         "skip", "on a NaN/inf gradient norm: skip the optimizer step, or stop the run",
         choices=("skip", "stop"))
     loss_chunk_size: int = option(
-        512, "tokens per chunk of the chunked cross-entropy (bounds the logits memory)", bounds=at_least(1))
+        512, "tokens per chunk of the reference linear cross-entropy (kernels.linear_cross_entropy = reference, the CPU "
+        "path; bounds its logits memory); the fused GPU backends choose their own tiling", bounds=at_least(1))
     param_dtype: str = option(
         "bfloat16", "compute dtype of parameters under FSDP mixed precision", choices=DTYPES)
     reduce_dtype: str = option(
@@ -184,7 +185,7 @@ class Compile:
         choices=("none", "default", "inductor", "max-autotune", "reduce-overhead"))
     fullgraph: bool = option(True, "compile each block as one graph (graph breaks are errors)")
     components: list[str] = option(
-        ["model"], "what to compile: model = every decoder block, loss = the head's chunked linear cross-entropy",
+        ["model"], "what to compile: model = every decoder block, loss = the head's fused linear cross-entropy",
         choices=("model", "loss"))
 
 

@@ -81,7 +81,7 @@ def _moe_block_parts(block: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_loss_compile(head: torch.nn.Module, mode: str, *, fullgraph: bool) -> None:
-    """``compile.components`` holding ``loss``: the head's chunked linear cross-entropy (and its logits path)."""
+    """``compile.components`` holding ``loss``: the head's fused linear cross-entropy op (and its logits path)."""
     options = compile_mode(mode).compile_options()
     if options is not None:
         head.compile(fullgraph=fullgraph, **options)

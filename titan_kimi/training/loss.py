@@ -1,7 +1,8 @@
 """The training loss, applied by the loop (or by the last pipeline stage) to the model's final hidden states.
 
-The model returns normed hidden states; the loss runs the lm_head chunk by chunk with the cross-entropy
-(``lowerings.ops.chunked_linear_cross_entropy``), so ``[tokens, vocab]`` logits never exist. It calls the head
+The model returns normed hidden states; the loss runs the lm_head fused with the cross-entropy
+(``lowerings.ops.linear_cross_entropy``, backend ``kernels.linear_cross_entropy``), so ``[tokens, vocab]``
+logits never exist; ``training.loss_chunk_size`` is the reference backend's token chunk. It calls the head
 module (not its weight) so that FSDP's hooks gather the sharded weight and reduce its gradient, and so that
 ``compile.components = ["loss"]`` compiles it (``titan_kimi.parallel.compile``).
 """

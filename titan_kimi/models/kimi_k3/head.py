@@ -1,4 +1,4 @@
-"""The lm_head: logits, or (for the training loss) the chunked linear cross-entropy, in which logits never exist
+"""The lm_head: logits, or (for the training loss) the fused linear cross-entropy op, in which logits never exist
 for the whole batch."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class LMHead(nn.Module):
             return hidden @ weight.t()
         if normalizer is None:
             normalizer = (labels != ops.IGNORE_INDEX).sum()
-        return ops.chunked_linear_cross_entropy(hidden, weight, labels, normalizer=normalizer, chunk_size=chunk_size)
+        return ops.linear_cross_entropy(hidden, weight, labels, normalizer=normalizer, chunk_size=chunk_size)
 
     def init_weights(self) -> None:
         std = 1.0 / math.sqrt(self.weight.shape[1])  # spec §14: truncated normal, std H^-1/2, cutoff 3 std
