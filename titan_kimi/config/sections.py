@@ -87,7 +87,7 @@ class Optimizer:
     weight_decay: float = option(0.1, "weight decay (decoupled for AdamW, L2 for Adam)", bounds=at_least(0))
     implementation: str = option(
         "auto", "torch's Adam implementation (needs optimizer.state_dtype = model.dtype); auto = fused where the "
-        "device supports it, or titan_kimi's Adam when the moment dtype differs from the parameters'",
+        "device supports it, or titan_kimi's multi-tensor Adam when the moment dtype differs from the parameters'",
         choices=("auto", "fused", "foreach", "for-loop"))
     state_dtype: str = option("float32", "dtype of the Adam moments", choices=DTYPES)
 
