@@ -80,3 +80,13 @@ def test_dtensor_shards_norm_over_their_mesh_like_plain_tensors(one_rank_group):
     for (_, a), (_, b) in zip(sharded, plain):
         got = a.grad.full_tensor() if hasattr(a.grad, "full_tensor") else a.grad
         torch.testing.assert_close(got, b.grad, rtol=1e-6, atol=0)
+
+
+def test_norm_of_fsdp_and_hsdp_shards_on_two_ranks():
+    """The local squares of sharded gradients are summed over the mesh dims that shard them and not over the
+    replicate dim (which would count HSDP replicas twice)."""
+    from tests.test_parallel import launch
+
+    out = launch(["tests/grad_clip_worker.py"], nproc=2, timeout=300)
+    assert {line.split()[1] for line in out.splitlines() if line.startswith("CLIP_OK")} == {
+        "fsdp2", "hsdp2x1", "hsdp1x2"}, out
