@@ -149,3 +149,23 @@ def test_reference_checkpoint_state_loads_into_the_multi_tensor_adam():
     new.step()
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("param_dtype, state_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_multi_tensor_adam_on_cuda_matches_the_reference(param_dtype, state_dtype):
+    """The CUDA multi-tensor kernels (cross-dtype _foreach_copy_, scalar-list div/addcdiv) against the reference."""
+    def run_on(cls, **kwargs):
+        params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(param_dtype)]
+        opt = cls(params, **HYPER, decoupled=True, state_dtype=state_dtype, **kwargs)
+        for step in range(5):
+            host = make_params(param_dtype)
+            set_grads(host, step)  # the CPU tests' gradients, moved
+            for p, h in zip(params, host):
+                p.grad = h.grad.cuda()
+            opt.step()
+        return params
+
+    new, ref = run_on(MultiTensorAdam, chunk_numel=100), run_on(AdamWithStateDtype)
+    for a, b in zip(new, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-3)
