@@ -153,3 +153,16 @@ def test_shortcut_under_context_parallelism_decides_from_the_whole_rows(one_rank
     torch.testing.assert_close(dense[0], sparse[0], rtol=1e-5, atol=1e-5)
     for name in sparse[1]:
         torch.testing.assert_close(dense[1][name], sparse[1][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("value", ["true", "false"])
+def test_config_knob_reaches_every_built_model(value):
+    from titan_kimi.config import load_job_config
+    from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+
+    cfg = load_job_config(["--model.flavor", "k31_debug", "--model.dsa_dense_shortcut", value], environ={})
+    args = model_args_from_config(cfg)
+    model = build_model_from_config(cfg, args, tokenizer_from_config(cfg, args))
+    assert model.dsa_dense_shortcut is (value == "true")
+    seq = build_sequence_info(1, 8, torch.device("cpu"))
+    assert model.dsa_dense(seq, 8) is (value == "true")  # 8 keys <= index_topk 32
