@@ -169,14 +169,15 @@ def test_deterministic_runs_repeat_exactly(tmp_path, capsys):
 
 def test_torch_adam_is_never_silently_replaced():
     from titan_kimi.config.sections import Optimizer
-    from titan_kimi.training.optimizer import AdamWithStateDtype, build_optimizer
+    from titan_kimi.training.adam_multi_tensor import MultiTensorAdam
+    from titan_kimi.training.optimizer import build_optimizer
 
     bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"optimizer.implementation = 'fused': torch's Adam keeps the moments in the "
                                          r"parameter dtype, but optimizer.state_dtype = 'float32' differs"):
         build_optimizer([bf16], Optimizer(implementation="fused", state_dtype="float32"))
     assert isinstance(build_optimizer([bf16], Optimizer(implementation="auto", state_dtype="float32")),
-                      AdamWithStateDtype)
+                      MultiTensorAdam)
     fused = build_optimizer([bf16], Optimizer(implementation="fused", state_dtype="bfloat16"))
     assert type(fused) is torch.optim.AdamW and fused.defaults["fused"]
 

@@ -23,6 +23,7 @@ from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_chec
                                    training_state)
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX, build_dataloader
+from titan_kimi.data.causal_keys import longest_document
 from titan_kimi.data.image_processor import ImageProcessor
 from titan_kimi.lora import load_adapters, merged_tensors, save_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
@@ -287,12 +288,13 @@ class Trainer:
             logger.info("exported HF safetensors to %s%s", path, " (LoRA merged)" if lora.enable else "")
 
     # ------------------------------------------------------------------ one step
-    def _forward_loss(self, batch: dict, normalizer: torch.Tensor) -> torch.Tensor:
+    def _forward_loss(self, batch: dict, normalizer: torch.Tensor, max_causal_keys: int | None) -> torch.Tensor:
         ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                else torch.autocast(self.device.type, enabled=False))
         images = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
         with ctx:
-            hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True, **images)
+            hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True,
+                                max_causal_keys=max_causal_keys, **images)
             return self.loss_fn(self.model.output, hidden, batch["labels"], normalizer)
 
     def _local(self, batch: dict) -> dict:
@@ -308,11 +310,14 @@ class Trainer:
         total = all_reduce_sum(torch.tensor(float(local), dtype=torch.float32, device=self.device))
         return total / self.layout.pp
 
-    def _micro_step(self, batch: dict, normalizer: torch.Tensor, *, backward: bool) -> torch.Tensor:
-        """Forward (and backward) of one local batch; returns this rank's share of the normalised loss."""
+    def _micro_step(self, batch: dict, normalizer: torch.Tensor, *, backward: bool,
+                    max_causal_keys: int | None = None) -> torch.Tensor:
+        """Forward (and backward) of one local batch; returns this rank's share of the normalised loss.
+        ``max_causal_keys``: the host batch's longest document (the DSA dense shortcut); pipeline stages build
+        their sequences themselves and decide from the row length alone."""
         if self.pipeline is not None:
             return self.pipeline.step(batch, float(normalizer), backward=backward)
-        loss = self._forward_loss(batch, normalizer)
+        loss = self._forward_loss(batch, normalizer, max_causal_keys)
         if backward:
             loss.backward()
         return loss.detach()
@@ -323,9 +328,10 @@ class Trainer:
         # The loss of every micro-batch on every rank is divided by the step's global count of valid tokens.
         global_valid = self._global_valid_tokens(host)
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in host]
+        longest = [longest_document(b["doc_ids"]) for b in host]  # whole rows' doc_ids, also under CP
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for batch in batches:
-            loss_sum += self._micro_step(batch, global_valid, backward=True)
+        for batch, keys in zip(batches, longest):
+            loss_sum += self._micro_step(batch, global_valid, backward=True, max_causal_keys=keys)
         self.replicated.sync()
         # ranks without the last pipeline stage add 0; each CP rank adds its share of the sequences
         loss_value = float(all_reduce_sum(loss_sum))
@@ -388,8 +394,9 @@ class Trainer:
                 break
             batch = self._local(batch)
             count += int((batch["labels"] != IGNORE_INDEX).sum())
+            keys = longest_document(batch["doc_ids"])
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            total += self._micro_step(batch, one, backward=False)
+            total += self._micro_step(batch, one, backward=False, max_causal_keys=keys)
         total = all_reduce_sum(total)
         count = float(all_reduce_sum(torch.tensor(float(count), device=self.device))) / self.layout.pp
         for part in self.model_parts:

@@ -46,6 +46,11 @@ class Model:
     dtype: str = option("bfloat16", "dtype the model parameters are kept in", choices=DTYPES)
     freeze_indexer: bool = option(
         True, "keep the K3.1 indexer frozen (top-k selection gives it no LM-loss gradient)")
+    dsa_dense_shortcut: bool = option(
+        True, "K3.1: for a batch whose longest document (padding excluded) has at most index_topk tokens, skip "
+        "the indexer and run dense causal attention in the DSA layers; the top-k would select every causal key, "
+        "so losses and gradients are the same (decided on the host per batch: at most two compiled variants); "
+        "false = always the indexer and sparse attention")
     vision_flavor: str = option(
         "", "vision tower of an image-text model: moonvit3d (the released 27-block MoonViT3d), moonvit3d_debug; "
         "\"\" = a text model, or the vision_config of model.hf_config_path when it has one")
@@ -88,7 +93,7 @@ class Optimizer:
     weight_decay: float = option(0.1, "weight decay (decoupled for AdamW, L2 for Adam)", bounds=at_least(0))
     implementation: str = option(
         "auto", "torch's Adam implementation (needs optimizer.state_dtype = model.dtype); auto = fused where the "
-        "device supports it, or titan_kimi's Adam when the moment dtype differs from the parameters'",
+        "device supports it, or titan_kimi's multi-tensor Adam when the moment dtype differs from the parameters'",
         choices=("auto", "fused", "foreach", "for-loop"))
     state_dtype: str = option("float32", "dtype of the Adam moments", choices=DTYPES)
 

@@ -103,9 +103,12 @@ def build_meta_model(
 
 def build_model_from_config(cfg, args: KimiK3ModelArgs, tokenizer: KimiTokenizer,
                             layer_range: tuple[int, int] | None = None) -> KimiK3Model:
-    """``build_meta_model`` with the job config's dtype, vision tower, freezing and ``[lora]`` settings."""
-    return build_meta_model(
+    """``build_meta_model`` with the job config's dtype, vision tower, freezing, ``[lora]`` settings and DSA
+    dense shortcut."""
+    model = build_meta_model(
         args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer,
         vision=vision_args_from_config(cfg, tokenizer), freeze_vision_tower=cfg.model.freeze_vision_tower,
         lora=LoRASettings.from_config(cfg.lora) if cfg.lora.enable else None, layer_range=layer_range,
     )
+    model.dsa_dense_shortcut = cfg.model.dsa_dense_shortcut
+    return model

@@ -1,58 +1,15 @@
-"""AdamW / Adam with a chosen dtype for the moments, and the warmup + decay learning-rate schedule."""
+"""Building AdamW / Adam with a chosen dtype for the moments, and the warmup + decay learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_kimi.dtypes import DTYPES
-
-
-class AdamWithStateDtype(torch.optim.Optimizer):
-    """Adam(W) whose moments are stored in ``state_dtype`` whatever the parameter dtype; math in fp32.
-
-    torch's own AdamW keeps the moments in the parameter's dtype, which cannot express fp32 weights with
-    bf16 moments (or the reverse). Parameters may be DTensors (FSDP2 shards).
-    """
-
-    def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-                 *, decoupled: bool, state_dtype: torch.dtype = torch.float32) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=state_dtype)
-        super().__init__(params, defaults)
-        self.decoupled = decoupled
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            state_dtype = group["state_dtype"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype)
-                state["step"] += 1
-                t = state["step"].item()
-                grad = p.grad.float()
-                weight = p.float()
-                if wd and not self.decoupled:
-                    grad = grad + wd * weight
-                m = state["exp_avg"].float().lerp_(grad, 1 - b1)
-                v = state["exp_avg_sq"].float().mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
-                denom = (v / (1 - b2**t)).sqrt_().add_(eps)
-                update = (m / (1 - b1**t)) / denom
-                if wd and self.decoupled:
-                    weight.mul_(1 - lr * wd)
-                p.copy_(weight - lr * update)
+from titan_kimi.training.adam_multi_tensor import MultiTensorAdam
 
 
 def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Optimizer:
@@ -60,7 +17,9 @@ def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Opti
 
     Moments are kept in ``cfg.state_dtype``, except for the parameters the model keeps in fp32 by design
     (A_log, conv weights, ...), whose moments stay fp32. torch's fused/foreach Adam(W) runs when every moment
-    can follow its parameter's dtype; otherwise :class:`AdamWithStateDtype` does.
+    can follow its parameter's dtype (fp32 weights and moments; bf16 weights and moments, the fp32-by-design
+    parameters then in fp32 inside the same kernels, which group tensors by dtype); otherwise
+    :class:`MultiTensorAdam` does.
     """
     from titan_kimi.models.kimi_k3.init import fp32_parameter_names
 
@@ -84,7 +43,7 @@ def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Opti
             {"params": [p for n, p in named if n in keep_fp32], "state_dtype": torch.float32},
             {"params": [p for n, p in named if n not in keep_fp32], "state_dtype": state_dtype},
         ]
-        return AdamWithStateDtype([g for g in groups if g["params"]], decoupled=decoupled, **kwargs)
+        return MultiTensorAdam([g for g in groups if g["params"]], decoupled=decoupled, **kwargs)
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     impl = cfg.implementation
     if impl == "auto":

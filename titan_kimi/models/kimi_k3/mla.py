@@ -59,7 +59,8 @@ class GatedMLA(nn.Module):
             # queries stay local and keys are expanded from the whole row's latent.
             latent = seq.exchange.gather(torch.cat([c_kv, k_rope], dim=-1))
             c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope], dim=-1)
-        if self.indexer is None:
+        if self.indexer is None or seq.dsa_dense:
+            # dsa_dense: the top-k would be every causal key, and the absorbed sparse form equals the dense one.
             out = self._dense_attention(q, c_kv, k_rope, seq)
         else:
             out = self._sparse_attention(q, c_kv, k_rope, self.indexer(x, q_latent, seq))

@@ -49,6 +49,9 @@ class KimiK3Model(nn.Module):
         # SequenceInfo. Context parallelism replaces it from outside (titan_kimi.parallel.context_parallel) with
         # one that takes the whole rows' doc_ids and describes this rank's share of the tokens.
         self.build_sequence: Callable[..., SequenceInfo] = build_sequence_info
+        # K3.1: DSA layers attend densely when the indexer would select every causal key (``dsa_dense``);
+        # set from model.dsa_dense_shortcut.
+        self.dsa_dense_shortcut = True
 
     def forward(
         self,
@@ -59,6 +62,7 @@ class KimiK3Model(nn.Module):
         seq: SequenceInfo | None = None,
         return_hidden: bool = False,
         inputs_embeds: torch.Tensor | None = None,
+        max_causal_keys: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Positional stage I/O, as pipeline stages receive it: the first stage takes ``x = tokens [B,S]``; a
         later stage takes ``x = hidden [B,S,H]`` and ``bank [B*S,m,H]`` from the stage before. Instead of tokens,
@@ -69,6 +73,9 @@ class KimiK3Model(nn.Module):
         A stage that is not last returns ``(hidden, bank)``. The last stage returns logits ``[B,S,V]``, or with
         ``return_hidden`` the final normed hidden states ``[B,S,H]``, to which the training loss applies the head
         chunk by chunk (``titan_kimi.training.loss``) so that ``[B,S,V]`` logits never exist.
+
+        ``max_causal_keys``: the most causal keys any trained query of the batch has (its longest document,
+        ``titan_kimi.data.causal_keys.longest_document`` of the host batch); None = unknown, the whole row.
         """
         if self.is_first:
             if inputs_embeds is not None:
@@ -91,6 +98,7 @@ class KimiK3Model(nn.Module):
         B, S = hidden.shape[:2]
         if seq is None:
             seq = self.build_sequence(B, S, hidden.device, doc_ids)
+            seq.dsa_dense = self.dsa_dense(seq, max_causal_keys)
         for layer in self.layers.values():
             hidden, bank = layer(hidden, bank, seq)
         if not self.is_last:
@@ -99,6 +107,25 @@ class KimiK3Model(nn.Module):
             hidden = self.output_mix(bank, hidden)
         hidden = self.norm(hidden)
         return hidden if return_hidden else self.output(hidden)
+
+    def dsa_dense(self, seq: SequenceInfo, max_causal_keys: int | None) -> bool:
+        """Whether no trained query has more causal keys than ``index_topk``: then the indexer would select every
+        causal key and sparse attention equals dense causal attention. Decided on the host from the row length
+        (the whole row's under context parallelism) and ``max_causal_keys``; never from device values.
+
+        Exact for everything that is trained: a query of a document has at most its document's length of causal
+        keys (attention stays inside a segment). Padding rows (doc id 0, label -100, e.g. nonpacked MedPix up to
+        seq_len) may have more and then attend differently, but their outputs stay in their own segment (no
+        valid query attends to them; KDA and the short conv reset at every segment start; MoE routes per token,
+        without capacity) and never reach the loss, so losses and gradients are the same; only the routing
+        counts of padding tokens (a metric) can differ."""
+        if max_causal_keys is not None and (not isinstance(max_causal_keys, int) or max_causal_keys < 0):
+            raise ValueError(f"max_causal_keys = {max_causal_keys!r}: expected a Python int >= 0, or None (unknown)")
+        if not (self.dsa_dense_shortcut and self.args.has_indexer):
+            return False
+        row = seq.exchange.global_len if seq.exchange is not None else seq.seq_len
+        keys = row if max_causal_keys is None else min(row, max_causal_keys)
+        return keys <= self.args.index_topk
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -56,6 +56,10 @@ class SequenceInfo:
     # seg_start, pos_in_seg and flat_seg_start are global (flat over the whole rows), and so is cu_seqlens.
     positions: torch.Tensor | None = None
     exchange: SequenceExchange | None = None
+    # No trained query has more causal keys than the indexer's top-k: its selection would be every causal key,
+    # so DSA layers attend densely instead (the model sets it from host-side facts; a bool, so compiled blocks
+    # see at most two values).
+    dsa_dense: bool = False
 
     @property
     def packed(self) -> bool:
