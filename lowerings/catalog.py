@@ -23,6 +23,6 @@ BACKEND_OPS: dict[str, OpEntry] = {
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
     "attn_res_mix": OpEntry("attention-residual mix backend", ("reference", "triton")),
     "linear_cross_entropy": OpEntry(
-        "lm_head + cross-entropy backend (cce_filtered skips gradient blocks below bf16 precision: opt-in only)",
-        ("reference", "cce", "cce_filtered", "liger")),
+        "lm_head + cross-entropy backend",
+        ("reference", "liger")),
 }

@@ -144,16 +144,16 @@ def test_compiles_fullgraph_forward_and_backward():
 
 def test_backend_selection_on_cpu(caplog):
     before = selected_backend("linear_cross_entropy")
-    with pytest.raises(ValueError, match=r"'cutlass'.*valid: \['auto', 'reference', 'cce', 'cce_filtered', 'liger'\]"):
+    with pytest.raises(ValueError, match=r"'cutlass'.*valid: \['auto', 'reference', 'liger'\]"):
         configure_backends({"linear_cross_entropy": "cutlass"})
     if not torch.cuda.is_available():
-        for name in ("cce", "cce_filtered", "liger"):
+        for name in ("liger",):
             with pytest.raises(ValueError, match="no CUDA device"):
                 configure_backends({"linear_cross_entropy": name})
         with caplog.at_level(logging.INFO, logger="lowerings.ops.registry"):
             assert configure_backends({"linear_cross_entropy": "auto"}) == {"linear_cross_entropy": "reference"}
         lines = [r.getMessage() for r in caplog.records if "linear_cross_entropy" in r.getMessage()]
-        assert len(lines) == 1 and "auto -> reference" in lines[0] and "cce: no CUDA device" in lines[0]
+        assert len(lines) == 1 and "auto -> reference" in lines[0] and "liger: no CUDA device" in lines[0]
     configure_backends({"linear_cross_entropy": before})
 
 
@@ -182,14 +182,13 @@ def test_head_and_loss_use_the_op():
 def test_auto_falls_back_past_a_missing_package_with_one_log_line(monkeypatch, caplog):
     from lowerings.ops.linear_cross_entropy import BACKENDS
 
-    # As on a GPU machine without liger-kernel (auto's first choice) but with cut-cross-entropy.
+    # As on a GPU machine without liger-kernel.
     monkeypatch.setitem(BACKENDS.checks, "liger", lambda: "python module 'liger_kernel' is not installed")
-    monkeypatch.setitem(BACKENDS.checks, "cce", lambda: None)
     before = selected_backend("linear_cross_entropy")
     with caplog.at_level(logging.INFO, logger="lowerings.ops.registry"):
-        assert configure_backends({"linear_cross_entropy": "auto"}) == {"linear_cross_entropy": "cce"}
+        assert configure_backends({"linear_cross_entropy": "auto"}) == {"linear_cross_entropy": "reference"}
     lines = [r.getMessage() for r in caplog.records if "linear_cross_entropy" in r.getMessage()]
-    assert lines == ["kernels.linear_cross_entropy = auto -> cce "
+    assert lines == ["kernels.linear_cross_entropy = auto -> reference "
                      "(skipped liger: python module 'liger_kernel' is not installed)"]
     configure_backends({"linear_cross_entropy": before})
 
