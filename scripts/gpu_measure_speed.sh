@@ -4,7 +4,7 @@
 #   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
-#   weights, + profile), after (the same, and the bf16 setting eager vs compiled, + profiles), recipes (the shipped
+#   weights, + profile), after (the bf16 setting eager vs reduce-overhead, and the fp32 one as before, + profiles), recipes (the shipped
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step)
 set -u
 PARTS=${PARTS:-tests ops}
@@ -29,6 +29,7 @@ step() {
 K3_SMALL=(--flavor k3_small --config train_configs/k31_small.toml --seq-len 8192 --batch 1 --steps 20
           --lr-warmup-steps 5 --cache warm --no-plot)
 BF16=(--model.dtype bfloat16 --optimizer.state_dtype bfloat16)
+FP32=(--model.dtype float32 --optimizer.state_dtype float32)  # fp32 master weights, bf16 compute (autocast)
 ablate() {  # $1 = tree, $2 = name, $3 = modes, rest = ablate_compile.py options then "--" overrides
   local tree=$1 name=$2 modes=$3; shift 3
   (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 300 python3 scripts/ablate_compile.py "${K3_SMALL[@]}" \
@@ -78,8 +79,8 @@ if want before; then
   ablate .before before_fp32 default
 fi
 if want after; then
-  ablate . after_fp32 default
-  ablate . after_bf16 none,default -- "${BF16[@]}"
+  ablate . after_bf16 none,reduce-overhead -- "${BF16[@]}"
+  ablate . after_fp32 default -- "${FP32[@]}"
 fi
 if want recipes; then
   recipe train_configs/k3_small.toml k3_small_recipe
