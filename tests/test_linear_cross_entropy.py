@@ -202,3 +202,18 @@ def test_strided_inputs():
     ref = _full_ce(hidden, weight, labels, 9.0)
     for got, want in zip(torch.autograd.grad(loss, [h_t, w_t]), torch.autograd.grad(ref, [hidden, weight])):
         assert _rel(got, want) < 1e-5
+
+
+def test_under_autocast_the_operands_are_cast_as_for_a_matmul():
+    """fp32 master weights under bf16 autocast: the op sees bf16 operands (as the head's matmul would), and the
+    fp32 leaves get their gradients through the casts."""
+    hidden, weight, labels = _inputs(9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ops.linear_cross_entropy(hidden, weight, labels, normalizer=40.0)
+    loss.backward()
+    h16, w16 = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight))
+    ref = ops.linear_cross_entropy(h16, w16, labels, normalizer=40.0)
+    ref.backward()
+    assert _rel(loss, ref) < 1e-6
+    assert hidden.grad.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    assert _rel(hidden.grad, h16.grad.float()) < 1e-6 and _rel(weight.grad, w16.grad.float()) < 1e-6

@@ -48,7 +48,10 @@ def linear_cross_entropy_op(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, grad_hidden: bool,
     grad_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    loss, d_hidden, d_weight = _run_backend(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
+    # The backends choose their own precision (bf16 GEMMs, fp32 softmax): autocast (whose casts the wrapper has
+    # already applied to the operands) must not recast their inner matmuls.
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, d_hidden, d_weight = _run_backend(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
     # Contiguous whatever the inputs' strides, as the fake says (compiled graphs check output strides).
     return (loss,
             d_hidden.to(hidden.dtype).contiguous() if grad_hidden else hidden.new_empty(_EMPTY),
@@ -102,6 +105,11 @@ def linear_cross_entropy(
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} disagree on the hidden size")
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
+    if torch.is_autocast_enabled(hidden.device.type):
+        # A custom op is not autocast-aware: cast both operands as autocast casts a matmul's (fp32 master weights
+        # with bf16 compute), so the fused backends see one half-precision dtype.
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
     grads = torch.is_grad_enabled()
     loss_sum, _, _ = linear_cross_entropy_op(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size,
