@@ -32,13 +32,13 @@ BF16=(--model.dtype bfloat16 --optimizer.state_dtype bfloat16)
 FP32=(--model.dtype float32 --optimizer.state_dtype float32)  # fp32 master weights, bf16 compute (autocast)
 ablate() {  # $1 = tree, $2 = name, $3 = modes, rest = ablate_compile.py options then "--" overrides
   local tree=$1 name=$2 modes=$3; shift 3
-  (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 300 python3 scripts/ablate_compile.py "${K3_SMALL[@]}" \
+  (cd "$tree" && PYTHONPATH=$PWD:/tmp/site timeout 200 python3 scripts/ablate_compile.py "${K3_SMALL[@]}" \
     --modes "$modes" --profile --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1)
   step "$name" $?; cat "$OUT/$name/results.md" 2>/dev/null | tail -4
 }
 recipe() {  # $1 = recipe, $2 = name: a fresh Inductor cache, launch -> first step from the log's clock
   local t=$(date +%s)
-  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$2 TRITON_CACHE_DIR=/tmp/triton_$2 timeout 280 \
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$2 TRITON_CACHE_DIR=/tmp/triton_$2 timeout 170 \
     python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train --job.config_file "$1" \
     --training.steps 20 --metrics.log_freq 1 --job.dump_folder "/tmp/$2" > "$OUT/$2.log" 2>&1
   step "$2" $?
