@@ -72,6 +72,10 @@ VL_LAYOUTS = {
     "vl_pp2_fsdp2": VL,
     "vl_lora_pp2_fsdp2": [*VL, "--lora.enable", "true", "--lora.target_modules",
                           "attention,experts,lm_head,projector,vision_tower"],
+    # Two stages per rank in a V (rank 0 runs the first stage and the last): 2-layer blocks.
+    "vl_lora_pp2_zbv": [*VL, "--model.flavor", "k31_debug_pp", "--parallelism.pipeline_parallel_schedule",
+                        "ZBVZeroBubble", "--lora.enable", "true", "--lora.target_modules",
+                        "attention,experts,projector,vision_tower"],
 }
 # With an HF checkpoint (argument --hf PATH): every rank reads only its own keys and boxes (pipeline stages,
 # FSDP shards, expert shards of an efsdp 2 x ep 2 mesh) as initial weights.

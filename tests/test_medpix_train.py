@@ -112,11 +112,18 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
     common = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
               "--training.mixed_precision", "false", "--training.steps", "8", "--data.shuffle", "false",
               "--lora.enable", "true", "--lora.target_modules", "attention,experts,projector,vision_tower",
-              "--metrics.log_freq", "1"]
+              "--metrics.log_freq", "1", "--validation.enable", "true", "--validation.freq", "4",
+              "--validation.steps", "2"]
     run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
          "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "pp2")])
     run([sys.executable, "-m", "titan_kimi.train", *common, "--job.dump_folder", str(tmp_path / "single")])
-    pp2, single = rows(tmp_path / "pp2"), rows(tmp_path / "single")
+    (pp2, pp2_val), (single, single_val) = (
+        ([m for m in rows(tmp_path / n) if "loss" in m], [m for m in rows(tmp_path / n) if "validation_loss" in m])
+        for n in ("pp2", "single"))
+    assert [m["step"] for m in pp2_val] == [4, 8]
+    assert pp2_val[0]["validation_tokens"] == single_val[0]["validation_tokens"]
+    for a, b in zip(pp2_val, single_val):  # validation batches with images through the pipeline's eval
+        assert a["validation_loss"] == pytest.approx(b["validation_loss"], rel=2e-3)
     assert len(pp2) == 8 and all(m["images"] == 8 for m in pp2)  # each image counted once, not per stage
     losses = [m["loss"] for m in pp2]
     assert losses[-1] < 0.7 * losses[0], losses
