@@ -2,13 +2,18 @@
 the real Trainer (fp32) against one process computing the whole global batch with the same initial weights.
 
 Prints one line per layout, ``PARITY <name> grad_rel <worst> loss_rel <rel> params <n>``, from rank 0 (every
-rank checks its own parameters; the worst error is reduced over ranks).
+rank checks its own parameters; the worst error is reduced over ranks). The image-text layouts (``vl_*``) run the
+k31_medpix_debug recipe; with LoRA they also check that only adapters get gradients and that the adapters saved
+from the pipeline stages are the file one process writes.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,11 +23,12 @@ from titan_kimi.checkpoint import load_model_weights
 from titan_kimi.checkpoint.destinations import canonical_fqn
 from titan_kimi.config import load_job_config
 from titan_kimi.data import build_dataloader
-from titan_kimi.models.kimi_k3 import KimiK3Model
+from titan_kimi.data.image_processor import ImageProcessor
+from titan_kimi.lora import is_adapter_parameter, save_adapters
 from titan_kimi.parallel.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.train import Trainer
-from titan_kimi.training.build import model_args_from_config, tokenizer_from_config
+from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.seeded_init import init_weights_seeded
 
@@ -56,6 +62,21 @@ LAYOUTS = {
     "ep2_full_ac": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2",
                     "--activation_checkpoint.mode", "full"],
 }
+# The image-text recipe in fp32 (pipeline x FSDP over the 4 ranks): the tower and projector on the first stage;
+# with LoRA, adapters on the tower and projector too.
+VL = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
+      "--training.mixed_precision", "false", "--training.steps", "2", "--lr_scheduler.warmup_steps", "0",
+      "--data.shuffle", "false", "--training.global_batch_size", str(GLOBAL_BATCH), "--metrics.save_jsonl", "false",
+      "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
+VL_LAYOUTS = {
+    "vl_pp2_fsdp2": VL,
+    "vl_lora_pp2_fsdp2": [*VL, "--lora.enable", "true", "--lora.target_modules",
+                          "attention,experts,lm_head,projector,vision_tower"],
+    # Two stages per rank in a V (rank 0 runs the first stage and the last): 2-layer blocks.
+    "vl_lora_pp2_zbv": [*VL, "--model.flavor", "k31_debug_pp", "--parallelism.pipeline_parallel_schedule",
+                        "ZBVZeroBubble", "--lora.enable", "true", "--lora.target_modules",
+                        "attention,experts,projector,vision_tower"],
+}
 # With an HF checkpoint (argument --hf PATH): every rank reads only its own keys and boxes (pipeline stages,
 # FSDP shards, expert shards of an efsdp 2 x ep 2 mesh) as initial weights.
 HF_LAYOUTS = {
@@ -79,33 +100,54 @@ CP_LAYOUTS = {
 }
 
 
-def reference(cfg, args, global_batch: int):
-    """Loss and gradients of one process on the whole global batch, from the Trainer's initial weights."""
-    with torch.device("meta"):
-        model = KimiK3Model(args)
+def reference(cfg, args, global_batch: int, tokenizer):
+    """Loss, gradients and the model of one process on the whole global batch, from the Trainer's initial weights."""
+    model = build_model_from_config(cfg, args, tokenizer)  # on meta; image-text and LoRA as the config says
     model.to_empty(device="cpu")
     init_weights_seeded(model, cfg.job.seed)
     if cfg.checkpoint.initial_load_path:
         load_model_weights(model, cfg.checkpoint.initial_load_path)
-    loader = build_dataloader(cfg.data.dataset, cfg.data.path or None, tokenizer_from_config(cfg, args),
+    vision = getattr(model, "vision_args", None)
+    processor = (ImageProcessor(patch_size=vision.patch_size, merge_kernel=vision.merge_kernel,
+                                min_pixels=cfg.data.image_min_pixels, max_pixels=cfg.data.image_max_pixels)
+                 if vision is not None else None)
+    loader = build_dataloader(cfg.data.dataset, cfg.data.path or None, tokenizer,
                               seq_len=cfg.training.seq_len, local_batch_size=global_batch, dp_rank=0,
                               dp_world_size=1, seed=cfg.job.seed, shuffle=cfg.data.shuffle,
-                              vocab_size=args.vocab_size)
+                              vocab_size=args.vocab_size, image_processor=processor)
     batch = next(iter(loader))
     valid = float((batch["labels"] != -100).sum())
-    hidden = model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True)
+    images = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
+    hidden = model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True, **images)
     loss = LinearCrossEntropyLoss(cfg.training.loss_chunk_size)(model.output, hidden, batch["labels"], valid)
     loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, model
+
+
+def check_adapter_files(name: str, trainer, reference_model, env: DistEnv) -> None:
+    """The adapters the pipeline stages save (before any optimizer step: the seeded initial values) are, byte for
+    byte, the files one process writes."""
+    folder = Path(tempfile.gettempdir()) / f"titan_kimi_parity_{os.getppid()}" / name  # one torchrun, one folder
+    targets = trainer.cfg.lora.target_modules
+    save_adapters(trainer.model_parts, folder / "pipeline", targets=targets, group=trainer.meshes.pp_group)
+    save_adapters(reference_model, folder / "single", targets=targets)  # every rank holds it; rank 0 writes
+    if env.rank == 0:
+        for file in ("adapter_model.safetensors", "adapter_config.json"):
+            a, b = (folder / "pipeline" / file).read_bytes(), (folder / "single" / file).read_bytes()
+            assert a == b, f"{name}: {file} differs from the one-process file"
+        shutil.rmtree(folder)
+    dist.barrier()
 
 
 def check(name: str, overrides: list[str], env: DistEnv) -> None:
-    cfg = load_job_config([*COMMON, *overrides])
+    cfg = load_job_config(overrides if name in VL_LAYOUTS else [*COMMON, *overrides])
     args = model_args_from_config(cfg)
     layout = resolve_layout(cfg.parallelism, env.world_size, args, local_batch_size=cfg.training.local_batch_size,
                             seq_len=cfg.training.seq_len)
     trainer = Trainer(cfg, args, layout, env)
-    ref_loss, ref_grads = reference(cfg, args, trainer.global_batch)
+    ref_loss, ref_grads, ref_model = reference(cfg, args, trainer.global_batch, trainer.tokenizer)
+    if cfg.lora.enable:
+        check_adapter_files(name, trainer, ref_model, env)
     data = iter(trainer.dataloader)
     host = [trainer._local(next(data)) for _ in range(trainer.accum_steps)]
     normalizer = trainer._global_valid_tokens(host)
@@ -118,6 +160,8 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     for part in trainer.model_parts:
         for fqn, p in part.named_parameters():
             fqn = canonical_fqn(fqn)
+            if cfg.lora.enable:
+                assert p.grad is None or is_adapter_parameter(fqn), f"{name}: frozen {fqn} has a gradient"
             if fqn not in ref_grads:
                 assert p.grad is None or not p.grad.to_local().any() if isinstance(p.grad, DTensor) else True
                 continue
@@ -143,8 +187,9 @@ def main() -> None:
     argv = sys.argv[1:]
     hf = argv[argv.index("--hf") + 1] if "--hf" in argv else None
     names = [a for a in argv if a != "--hf" and a != hf]
-    for name in names or [*LAYOUTS, *(HF_LAYOUTS if hf else ())]:
-        overrides = {**LAYOUTS, **CP_LAYOUTS}.get(name) or [*HF_LAYOUTS[name], "--checkpoint.initial_load_path", hf]
+    for name in names or [*LAYOUTS, *VL_LAYOUTS, *(HF_LAYOUTS if hf else ())]:
+        overrides = ({**LAYOUTS, **CP_LAYOUTS, **VL_LAYOUTS}.get(name)
+                     or [*HF_LAYOUTS[name], "--checkpoint.initial_load_path", hf])
         check(name, overrides, env)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """The image-text recipes end to end on CPU: falling loss with and without LoRA, adapter files, FSDP2 + LoRA on
-two processes against one, and the one-H200 recipe at reduced size."""
+two processes against one, LoRA at PP2 against one process (adapters merged and exported), and the one-H200 recipe
+at reduced size."""
 
 import json
 import os
@@ -102,6 +103,63 @@ def test_expert_parallel_lora_matches_one_process(tmp_path):
     expert_keys = [k for k in a if ".experts.7.w2." in k]
     assert a.keys() == b.keys() and expert_keys
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
+
+
+@pytest.mark.slow
+def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_export(tmp_path):
+    """PP2 as users type it, in fp32: falling loss, the losses and adapter files of one process, and the adapters
+    load by name into a whole model and export merged like the one-process ones."""
+    common = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
+              "--training.mixed_precision", "false", "--training.steps", "8", "--data.shuffle", "false",
+              "--lora.enable", "true", "--lora.target_modules", "attention,experts,projector,vision_tower",
+              "--metrics.log_freq", "1", "--validation.enable", "true", "--validation.freq", "4",
+              "--validation.steps", "2"]
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
+         "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "pp2")])
+    run([sys.executable, "-m", "titan_kimi.train", *common, "--job.dump_folder", str(tmp_path / "single")])
+    (pp2, pp2_val), (single, single_val) = (
+        ([m for m in rows(tmp_path / n) if "loss" in m], [m for m in rows(tmp_path / n) if "validation_loss" in m])
+        for n in ("pp2", "single"))
+    assert [m["step"] for m in pp2_val] == [4, 8]
+    assert pp2_val[0]["validation_tokens"] == single_val[0]["validation_tokens"]
+    for a, b in zip(pp2_val, single_val):  # validation batches with images through the pipeline's eval
+        assert a["validation_loss"] == pytest.approx(b["validation_loss"], rel=2e-3)
+    assert len(pp2) == 8 and all(m["images"] == 8 for m in pp2)  # each image counted once, not per stage
+    losses = [m["loss"] for m in pp2]
+    assert losses[-1] < 0.7 * losses[0], losses
+    assert losses[0] == pytest.approx(single[0]["loss"], rel=1e-5)
+    for a, b in zip(pp2[1:], single[1:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
+    from safetensors.torch import load_file
+
+    files = {name: tmp_path / name / "lora_adapters" for name in ("pp2", "single")}
+    a, b = (load_file(str(files[n] / "adapter_model.safetensors")) for n in ("pp2", "single"))
+    assert a.keys() == b.keys() and any(k.startswith("base_model.model.vision_tower.") for k in a)
+    assert any(".layers.7." in k for k in a)  # the second stage's adapters are in the one file
+    assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
+    assert (files["pp2"] / "adapter_config.json").read_text() == (files["single"] / "adapter_config.json").read_text()
+
+    from titan_kimi.checkpoint import export_hf_checkpoint
+    from titan_kimi.config import load_job_config
+    from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer
+    from titan_kimi.lora import load_adapters, merged_tensors
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.training.build import build_model_from_config
+    from titan_kimi.training.seeded_init import init_weights_seeded
+
+    cfg = load_job_config(common, environ={})
+    exported = {}
+    for name, folder in files.items():
+        model = build_model_from_config(cfg, model_args_for("k31_debug"), KimiTokenizer(TOKENIZER_DIR))
+        model.to_empty(device="cpu")
+        init_weights_seeded(model, cfg.job.seed)  # the base weights both runs trained on
+        assert load_adapters(model, folder)
+        export_hf_checkpoint(model, tmp_path / f"hf_{name}", dtype=torch.float32, tensors=merged_tensors(model))
+        exported[name] = {k: v for f in (tmp_path / f"hf_{name}").glob("*.safetensors")
+                          for k, v in load_file(str(f)).items()}
+    assert exported["pp2"].keys() == exported["single"].keys() and not any("lora" in k for k in exported["pp2"])
+    assert all(torch.allclose(exported["pp2"][k], exported["single"][k], rtol=1e-3, atol=1e-5)
+               for k in exported["pp2"])
 
 
 @pytest.mark.slow

@@ -43,7 +43,8 @@ def train(folder: Path, *overrides: str, nproc: int = 0) -> list[float]:
 @pytest.mark.slow
 def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
     """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2, selective AC + compile under PP2 x EP2,
-    full AC under EP2, and HF initial weights read per rank: one step's gradients on 4 ranks."""
+    full AC under EP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
+    LoRA and with LoRA under ZBVZeroBubble (adapter files byte-equal to one process's): one step's gradients on 4 ranks."""
     hf = tmp_path / "hf"
     torch.manual_seed(5)
     model = KimiK3Model(model_args_for("k31_debug_pp"))
@@ -53,7 +54,8 @@ def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
     results = dict(re.findall(r"PARITY (\S+) (grad_rel \S+ loss_rel \S+ params \d+)", out))
     assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2", "pp2_interleaved_zb",
                             "pp2_looped_bfs", "pp2_dualpipev", "pp2_gpipe", "pp2_ep2_sac_compile", "ep2_full_ac",
-                            "ep2_efsdp2_hf", "pp2_ep2_hf"}, out
+                            "ep2_efsdp2_hf", "pp2_ep2_hf", "vl_pp2_fsdp2", "vl_lora_pp2_fsdp2",
+                            "vl_lora_pp2_zbv"}, out
     for name, line in results.items():
         grad, loss, params = re.match(r"grad_rel (\S+) loss_rel (\S+) params (\d+)", line).groups()
         assert float(grad) < 1e-4 and float(loss) < 1e-5 and int(params) > 100, (name, line)

@@ -182,22 +182,6 @@ def test_torch_adam_is_never_silently_replaced():
     assert type(fused) is torch.optim.AdamW and fused.defaults["fused"]
 
 
-@pytest.mark.parametrize("vision, lora, message", [
-    ("moonvit3d_debug", False, "with an image-text model: splitting the packed images"),
-    ("", True, "with lora.enable = true: saving and loading adapters spread over pipeline stages"),
-])
-def test_image_text_and_lora_training_reject_pipeline_parallelism(vision, lora, message):
-    from types import SimpleNamespace
-
-    cfg = load_job_config(["--model.vision_flavor", vision, "--lora.enable", str(lora).lower()], environ={})
-    layout = SimpleNamespace(pp=2, cp=1)
-    trainer = SimpleNamespace(layout=layout, vision=object() if vision else None, cfg=cfg)
-    with pytest.raises(ValueError, match=message):
-        train.Trainer._reject_unbuilt_combinations(trainer)
-    layout.pp = 1
-    train.Trainer._reject_unbuilt_combinations(trainer)  # without pipeline parallelism both train
-
-
 def test_image_text_training_rejects_context_parallelism():
     from types import SimpleNamespace
 

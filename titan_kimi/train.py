@@ -127,6 +127,9 @@ class Trainer:
         self.flops_per_token = training_flops_per_token(
             args, t.seq_len, count_params(whole, skip_prefixes=VISION_PREFIXES), frozen_backward=cfg.lora.enable)
         del whole
+        # Before the model parts: a pipelined image-text model's first stage takes image slots sized by the data.
+        self.dataloader = self._build_dataloader(cfg.data.path, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
+        self.validation_loader = self._build_validation_loader() if cfg.validation.enable else None
         self.model_parts, self.pipeline = self._build_model_parts()
         self.model = self.model_parts[0]  # the whole model unless pipelined
         self.named_params = [(n, p) for part in self.model_parts for n, p in part.named_parameters()
@@ -136,8 +139,6 @@ class Trainer:
                                             for opt in self.optimizer.optimizers])
         self.router_load = RouterLoad(self.model_parts, args)
         self.replicated = ReplicatedGradients(self.model_parts, self.meshes.dense if self.meshes else None)
-        self.dataloader = self._build_dataloader(cfg.data.path, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
-        self.validation_loader = self._build_validation_loader() if cfg.validation.enable else None
         # Every validation starts from the first batch, so runs that stop at validation.steps stay comparable.
         self.validation_start = self.validation_loader.state_dict() if self.validation_loader else None
         self.step = 0
@@ -155,22 +156,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _reject_unbuilt_combinations(self) -> None:
-        pp, cp = self.layout.pp, self.layout.cp
+        cp = self.layout.cp
         if cp > 1 and self.vision is not None:
             raise ValueError(
                 f"parallelism.context_parallel_degree = {cp} with an image-text model: sharding sequences whose "
                 "placeholders the model expands into image positions is not built (the seed's recipe is CP1); "
                 "train with context_parallel_degree = 1")
-        if pp > 1 and self.vision is not None:
-            raise ValueError(
-                f"parallelism.pipeline_parallel_degree = {pp} with an image-text model: splitting the packed images "
-                "into pipeline microbatches is not built yet; train with pipeline_parallel_degree = 1, or use "
-                "--job.dry_run to validate the layout")
-        if pp > 1 and self.cfg.lora.enable:
-            raise ValueError(
-                f"parallelism.pipeline_parallel_degree = {pp} with lora.enable = true: saving and loading adapters "
-                "spread over pipeline stages is not built yet; train LoRA with pipeline_parallel_degree = 1, or use "
-                "--job.dry_run to validate the layout")
 
     def _build_model_parts(self):
         """This rank's model parts (the whole model, or its pipeline stages): built on the meta device,
@@ -221,11 +212,21 @@ class Trainer:
                 set_summed_gradients(module, self.device.type != "cuda")
             modules.append((index, module))
         mb = layout.microbatch_size
+        images = self._image_slots() if self.vision is not None else None  # None: text data, no images
         schedule, stages = build_schedule(
             layout.pipeline, modules, device=self.device, group=self.meshes.pp_group,
             n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb,
-            seq_len=cfg.training.seq_len // layout.cp)  # this rank's tokens of each sequence
-        return PipelineRunner(schedule, stages, [m for _, m in modules])
+            seq_len=cfg.training.seq_len // layout.cp,  # this rank's tokens of each sequence
+            images=images, patch_size=self.vision.patch_size if self.vision is not None else 14)
+        return PipelineRunner(schedule, stages, [m for _, m in modules], images)
+
+    def _image_slots(self):
+        """Per-sample image slots of a pipelined image-text run: the largest sample of its datasets."""
+        from titan_kimi.parallel.pipeline_images import ImageSlots
+
+        datasets = [loader.dataset for loader in (self.dataloader, self.validation_loader)
+                    if loader is not None and hasattr(loader.dataset, "image_bounds")]
+        return ImageSlots.for_datasets(self.vision.media_placeholder_token_id, datasets) if datasets else None
 
     def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True, split: str = "train"):
         dataset, data = self.cfg.data.dataset, self.cfg.data
@@ -263,8 +264,12 @@ class Trainer:
                 fmt = load_model_weights(part, cfg.initial_load_path)
             logger.info("initial weights from %s (%s)", cfg.initial_load_path, fmt)
         if restored is None and self.cfg.lora.adapter_path:  # a resumed run has its adapters in the checkpoint
-            filled = load_adapters(self.model, self.cfg.lora.adapter_path)
+            filled = load_adapters(self.model_parts, self.cfg.lora.adapter_path, group=self._pp_group())
             logger.info("LoRA adapters from %s (%d factors)", self.cfg.lora.adapter_path, len(filled))
+
+    def _pp_group(self):
+        """The pipeline group (adapters are spread over its stages), or None without pipelining."""
+        return self.meshes.pp_group if self.pipeline is not None else None
 
     def _final_save(self) -> None:
         """The last step: the full training state, only the model (``last_save_model_only``), or an HF
@@ -273,7 +278,8 @@ class Trainer:
         be extended from it. With LoRA the adapters are written on their own first (``lora.save_adapters``)."""
         cfg, lora = self.cfg.checkpoint, self.cfg.lora
         if lora.enable and lora.save_adapters:
-            path = save_adapters(self.model, self.dump / "lora_adapters", targets=lora.target_modules)
+            path = save_adapters(self.model_parts, self.dump / "lora_adapters", targets=lora.target_modules,
+                                 group=self._pp_group())
             logger.info("saved LoRA adapters to %s", path)
         if not cfg.enable:
             return
@@ -372,11 +378,12 @@ class Trainer:
         """Images in the step over all ranks, and the tower's and projector's FLOPs on them (host batches)."""
         if self.vision is None:
             return 0, 0.0
-        grids = [tuple(g) for b in batches for g in b["grid_thws"].tolist()]
-        model = self.model
+        # Under pipelining only the ranks of the first stage (the tower's) count, so each image counts once.
+        model = next((part for part in self.model_parts if part.vision_tower is not None), None)
+        grids = [tuple(g) for b in batches for g in b["grid_thws"].tolist()] if model is not None else []
         trains = lambda module: module is not None and any(p.requires_grad for p in module.parameters())
         local = vision_flops(self.vision, self.args.dim, grids, tower_trained=trains(model.vision_tower),
-                             projector_trained=trains(model.mm_projector))
+                             projector_trained=trains(model.mm_projector)) if model is not None else 0.0
         total = all_reduce_sum(torch.tensor([len(grids), local], dtype=torch.float64, device=self.device))
         return int(total[0]), float(total[1])
 

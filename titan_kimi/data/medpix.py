@@ -116,6 +116,11 @@ class MedPixDataset:
     def __len__(self) -> int:
         return len(self._items)
 
+    def image_bounds(self) -> tuple[int, int]:
+        """``(images, patches)`` of the largest sample: one image per row, the most patches of any row's image
+        (known from the headers read at build time; pipeline stages pad every sample's images to it)."""
+        return 1, max(t * h * w for *_, (t, h, w) in self._items)
+
     def __getitem__(self, index: int) -> Sample:
         input_ids, labels, doc_ids, grid = self._items[index]
         where = self.records.where(index)

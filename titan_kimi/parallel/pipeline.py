@@ -3,7 +3,9 @@
 Stages pass ``(hidden [mb,S,H], bank [mb*S,m,H])`` positionally; tokens enter the first stage, and the last stage
 applies the loss itself (summed CE over the step's global valid-token count, so ``scale_grads=False`` keeps
 gradients equal to the non-pipelined run). ``doc_ids`` and ``labels`` are split into microbatches with the
-inputs; the normaliser is a float, which the schedule hands unchanged to every microbatch.
+inputs; the normaliser is a float, which the schedule hands unchanged to every microbatch. An image-text model's
+first stage also takes the images, regrouped per sample (``pipeline_images.ImageSlots``) so that they split with
+their samples, and packs each microbatch's images again before the tower.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titan_kimi.models.kimi_k3.model import KimiK3Model
+from titan_kimi.parallel.pipeline_images import ImageSlots, unpad_images
 from titan_kimi.parallel.pipeline_plan import PipelinePlan
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | float"], torch.Tensor]
@@ -41,10 +44,14 @@ class PipelineStageModule(nn.Module):
         autocast = (torch.autocast(device_type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
         with autocast:
+            images = {}
+            if self.part.is_first and len(inputs) == 3:  # tokens, per-sample pixel and grid slots
+                inputs, (pixels, grids) = inputs[:1], inputs[1:]
+                images = dict(zip(("pixel_values", "grid_thws"), unpad_images(pixels, grids)))
             if self.part.is_last:
-                hidden = self.part(*inputs, doc_ids=doc_ids, return_hidden=True)
+                hidden = self.part(*inputs, doc_ids=doc_ids, return_hidden=True, **images)
                 return self.loss_fn(self.part.output, hidden, labels, normalizer)
-            hidden, bank = self.part(*inputs, doc_ids=doc_ids)
+            hidden, bank = self.part(*inputs, doc_ids=doc_ids, **images)
         hidden, bank = hidden.to(self.boundary_dtype), bank.to(self.boundary_dtype)
         if bank._is_view():
             # FSDP hands a passed-through bank back as a view, which zero-bubble schedules cannot detach in place.
@@ -52,8 +59,10 @@ class PipelineStageModule(nn.Module):
         return hidden, bank
 
 
-def stage_io_metas(part: KimiK3Model, microbatch: int, seq_len: int, dtype: torch.dtype):
-    """Static shapes of a stage's inputs and outputs (meta tensors), so no shape-inference pass runs."""
+def stage_io_metas(part: KimiK3Model, microbatch: int, seq_len: int, dtype: torch.dtype,
+                   images: ImageSlots | None = None, patch_size: int = 14):
+    """Static shapes of a stage's inputs and outputs (meta tensors), so no shape-inference pass runs. With
+    ``images`` the first stage also takes each sample's pixel and grid slots."""
     args = part.args
     dim, block = args.dim, args.attn_res_block_size
 
@@ -65,6 +74,9 @@ def stage_io_metas(part: KimiK3Model, microbatch: int, seq_len: int, dtype: torc
 
     if part.is_first:
         inputs = (meta(microbatch, seq_len, dt=torch.int64),)
+        if images is not None:
+            inputs += (meta(microbatch, images.max_patches, 3, patch_size, patch_size, dt=torch.float32),
+                       meta(microbatch, images.max_images, 3, dt=torch.int64))
     else:
         inputs = (meta(microbatch, seq_len, dim, grad=True),
                   meta(microbatch * seq_len, bank_entries(part.first_layer), dim, grad=True))
@@ -88,18 +100,22 @@ def build_schedule(
     n_microbatches: int,
     microbatch: int,
     seq_len: int,
+    images: ImageSlots | None = None,
+    patch_size: int = 14,
 ):
-    """The schedule over this rank's ``(stage index, module)`` pairs, with static stage shapes."""
+    """The schedule over this rank's ``(stage index, module)`` pairs, with static stage shapes (``images``: the
+    image-text model's per-sample image slots, ``patch_size`` its tower's)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     stages = []
     for index, module in stage_modules:
-        inputs, outputs = stage_io_metas(module.part, microbatch, seq_len, module.boundary_dtype)
+        inputs, outputs = stage_io_metas(module.part, microbatch, seq_len, module.boundary_dtype, images,
+                                         patch_size)
         extra = {}
         # torch >= 2.12 takes the gradient metas too; without them static stages send zero input gradients.
         if _accepts(PipelineStage.__init__, "input_grads"):
-            extra = dict(input_grads=(None,) if module.part.is_first else inputs,
+            extra = dict(input_grads=(None,) * len(inputs) if module.part.is_first else inputs,
                          output_grads=None if module.part.is_last else outputs)
         stages.append(PipelineStage(module, index, plan.num_stages, device, input_args=inputs,
                                     output_args=outputs, group=group, **extra))
@@ -113,8 +129,10 @@ def build_schedule(
 class PipelineRunner:
     """One optimizer micro-step of this rank's stages: fwd + bwd over the microbatches of a local batch."""
 
-    def __init__(self, schedule, stages, modules: Sequence[PipelineStageModule]) -> None:
+    def __init__(self, schedule, stages, modules: Sequence[PipelineStageModule],
+                 images: ImageSlots | None = None) -> None:
         self.schedule, self.stages, self.modules = schedule, stages, list(modules)
+        self.images = images
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
 
@@ -122,6 +140,8 @@ class PipelineRunner:
         """The sum of this rank's last-stage microbatch losses (zero on ranks without the last stage)."""
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         args = (batch["input_ids"],) if self.has_first else ()
+        if self.has_first and self.images is not None:
+            args += self.images.pad(batch["input_ids"], batch["pixel_values"], batch["grid_thws"])
         kwargs = dict(doc_ids=batch["doc_ids"], labels=batch["labels"], normalizer=normalizer)
         run = self.schedule.step if backward else self.schedule.eval
         # Outputs are scalar losses, which the schedule cannot merge into a batch: never ask for them.
