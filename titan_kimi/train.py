@@ -43,6 +43,7 @@ from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import OptimizerParts, SchedulerParts, build_lr_scheduler, build_optimizer
+from titan_kimi.training.profiling import StepProfiler, gather_profiles
 from titan_kimi.training.router_load import RouterLoad
 from titan_kimi.training.seeded_init import init_weights_seeded
 from titan_kimi.training.shutdown import StopRequest, stop_run
@@ -150,6 +151,8 @@ class Trainer:
             self.dump, cfg.metrics.log_freq, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
             cfg.metrics.progress, t.steps, is_main=env.is_main,
         )
+        p = cfg.profiling
+        self.profiler = StepProfiler(p.enable, p.steps, self.dump / p.folder, t.steps, env.rank, self.device)
         logger.info("%s | %s | params total=%d active=%d | global batch %d = %d ranks x %d x %d accumulation",
                     cfg.model.flavor, layout.describe(), self.counts.total, self.counts.active,
                     self.global_batch, self.dp, t.local_batch_size, self.accum_steps)
@@ -420,8 +423,11 @@ class Trainer:
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
-                metrics = self.train_step(data_iter)
+                with self.profiler.around(self.step) as profiled:
+                    metrics = self.train_step(data_iter)
                 self.metrics.log(metrics)
+                if self.profiler.wants(self.step):  # every rank profiles the step: all of them gather
+                    self.metrics.log_profiles(self.step, gather_profiles(profiled[0]))
                 if not math.isfinite(metrics.loss):
                     raise NonFiniteGradientError(f"step {self.step}: the loss is {metrics.loss}")
                 if cfg.validation.enable and self.step % cfg.validation.freq == 0:

@@ -139,6 +139,23 @@ def checkpoint_keys_need_checkpointing(cfg: JobConfig, source_of: SourceOf) -> N
                       "false, or checkpoint.enable = true")
 
 
+def profiling_steps_are_in_the_run(cfg: JobConfig, source_of: SourceOf) -> None:
+    p = cfg.profiling
+    if not p.enable:
+        enable = _other(cfg, "profiling.enable", source_of)
+        defaults = {"profiling.steps": [-1], "profiling.folder": "profiles"}
+        for key, default in defaults.items():
+            if _get(cfg, key) != default:
+                raise _reject(cfg, key, source_of, f"nothing is profiled with {enable}",
+                              f"{default!r}, or profiling.enable = true")
+        return
+    late = [s for s in p.steps if s > cfg.training.steps]
+    if late:
+        raise _reject(cfg, "profiling.steps", source_of,
+                      f"step {late[0]} is after the last one ({_other(cfg, 'training.steps', source_of)})",
+                      f"steps in 1..{cfg.training.steps}, or -1 (the last)")
+
+
 def hf_save_is_model_only(cfg: JobConfig, source_of: SourceOf) -> None:
     if cfg.checkpoint.last_save_in_hf and not cfg.checkpoint.last_save_model_only:
         raise _reject(cfg, "checkpoint.last_save_model_only", source_of,
@@ -209,9 +226,13 @@ def input_paths_exist(cfg: JobConfig, source_of: SourceOf) -> None:
 
 
 def output_folders_can_be_created(cfg: JobConfig, source_of: SourceOf) -> None:
-    """job.dump_folder and the checkpoint folder under it: folders, or creatable (no file on their path)."""
+    """job.dump_folder and the checkpoint and profile folders under it: folders, or creatable (no file on their
+    path)."""
     dump = Path(cfg.job.dump_folder)
-    for key, path in (("job.dump_folder", dump), ("checkpoint.folder", dump / cfg.checkpoint.folder)):
+    folders = [("job.dump_folder", dump), ("checkpoint.folder", dump / cfg.checkpoint.folder)]
+    if cfg.profiling.enable:
+        folders.append(("profiling.folder", dump / cfg.profiling.folder))
+    for key, path in folders:
         existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
         if existing.exists() and not existing.is_dir():
             where = "is a file" if existing == path else f"cannot be created: {str(existing)!r} is a file"
@@ -241,6 +262,7 @@ RULES: tuple[Rule, ...] = (
     batch_shapes_divide,
     mixed_precision_only_lowers,
     hf_save_is_model_only,
+    profiling_steps_are_in_the_run,
     checkpoint_keys_need_checkpointing,
     synthetic_data_takes_no_files,
     input_paths_exist,

@@ -244,6 +244,21 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    enable: bool = option(
+        False, "profile training steps with torch.profiler: per rank a chrome trace, a kernel table and a summary "
+        "(step time, CUDA busy time, the share of the step in communication: NCCL kernels on CUDA, c10d/gloo "
+        "host ops on CPU), logged by rank 0 and appended to metrics.jsonl")
+    steps: list[int] = option(
+        [-1], "steps to profile, as numbered in the log (1 .. training.steps); -1 = the last step. A profiled "
+        "step runs slower (the profiler's overhead): leave it out of speed medians", bounds=at_least(1, also=(-1,)),
+        nonempty=True)
+    folder: str = option(
+        "profiles", "profile folder, under job.dump_folder: step-<N>/rank<R>.trace.json.gz, rank<R>.kernels.txt, "
+        "rank<R>.summary.json", nonempty=True)
+
+
+@dataclass
 class Validation:
     enable: bool = option(False, "run validation during training")
     freq: int = option(10, "validate every N steps", bounds=at_least(1))
@@ -286,4 +301,5 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
     lora: Lora = field(default_factory=Lora)

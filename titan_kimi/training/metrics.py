@@ -110,6 +110,20 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.add_scalar("validation_loss", loss, step)
 
+    def log_profiles(self, step: int, profiles: list[Any]) -> None:
+        """One line per rank of a profiled step (training/profile_summary.StepProfile), and one metrics.jsonl
+        record {"step", "profile": [per-rank dicts]}."""
+        if not self.is_main:
+            return
+        for p in profiles:
+            logger.info("%s", p.line())
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "profile": [p.as_dict() for p in profiles]}) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for p in profiles:
+                self._tb.add_scalar(f"profile/comm_share_rank{p.rank}", p.comm_share, step)
+
     def _draw_bar(self, m: StepMetrics) -> None:
         width = 30
         done = int(width * m.step / max(1, self.total_steps))
