@@ -108,6 +108,7 @@ def test_two_gloo_ranks_write_traces_tables_and_summaries(tmp_path):
         summary = json.loads((folder / f"rank{rank}.summary.json").read_text())
         assert summary["rank"] == rank and summary["step"] == 2 and summary["cuda_busy_s"] is None
         assert 0 < summary["comm_share"] <= 1 and summary["comm_s"] <= summary["step_time_s"]
+        assert summary["peak_mem_gib"] > 0
     rows = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     profiles = [r["profile"] for r in rows if "profile" in r]
     assert len(profiles) == 1 and [p["rank"] for p in profiles[0]] == [0, 1]

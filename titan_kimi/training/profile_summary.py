@@ -48,6 +48,7 @@ class StepProfile:
     cuda_busy_s: float | None  # union of all CUDA kernels in the window; None on CPU
     comm_s: float             # union of the communication events in the window
     comm_share: float         # comm_s / step_time_s
+    peak_mem_gib: float = 0.0  # this rank's peak (metrics.jsonl's peak_mem_gib is rank 0's alone)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,10 +56,12 @@ class StepProfile:
     def line(self) -> str:
         busy = f"{self.cuda_busy_s:.4f}s" if self.cuda_busy_s is not None else "n/a (CPU)"
         return (f"profile step {self.step} rank {self.rank}: step {self.step_time_s:.4f}s  cuda busy {busy}  "
-                f"communication {self.comm_s:.4f}s = {100 * self.comm_share:.1f}% of the step")
+                f"communication {self.comm_s:.4f}s = {100 * self.comm_share:.1f}% of the step  "
+                f"peak {self.peak_mem_gib:.2f} GiB")
 
 
-def summarize_trace(events: list[dict], *, rank: int, step: int, device_type: str) -> StepProfile:
+def summarize_trace(events: list[dict], *, rank: int, step: int, device_type: str,
+                    peak_mem_gib: float = 0.0) -> StepProfile:
     """The step's profile from chrome-trace events (``traceEvents``; ts and dur in microseconds)."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     windows = [e for e in complete if e.get("name") == STEP_ANNOTATION]
@@ -73,4 +76,4 @@ def summarize_trace(events: list[dict], *, rank: int, step: int, device_type: st
             if device_type == "cuda" else None)
     window = hi - lo
     return StepProfile(rank=rank, step=step, step_time_s=window / 1e6, cuda_busy_s=busy, comm_s=comm / 1e6,
-                       comm_share=comm / window if window > 0 else 0.0)
+                       comm_share=comm / window if window > 0 else 0.0, peak_mem_gib=peak_mem_gib)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from titan_kimi.training.metrics import peak_memory_gib
 from titan_kimi.training.profile_summary import STEP_ANNOTATION, StepProfile, summarize_trace
 
 KERNEL_TABLE_ROWS = 60
@@ -55,7 +56,8 @@ class StepProfiler:
         (out / f"rank{self.rank}.kernels.txt").write_text(table + "\n", encoding="utf-8")
         with gzip.open(trace, "rt", encoding="utf-8") as f:
             events = json.load(f)["traceEvents"]
-        summary = summarize_trace(events, rank=self.rank, step=step, device_type=self.device.type)
+        summary = summarize_trace(events, rank=self.rank, step=step, device_type=self.device.type,
+                                  peak_mem_gib=peak_memory_gib(self.device))
         (out / f"rank{self.rank}.summary.json").write_text(json.dumps(summary.as_dict()) + "\n", encoding="utf-8")
         return summary
 
