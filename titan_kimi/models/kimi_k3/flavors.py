@@ -41,6 +41,10 @@ _FLAVORS: dict[str, dict] = {
     "k31_debug_pp": {**_DEBUG, **_DEBUG_INDEXER, "attn_res_block_size": 2},
     "k3_small": _SMALL,
     "k31_small": {**_SMALL, **_K31_INDEXER},
+    # k31_small in 4-layer AttnRes blocks (4 blocks): the two-stages-per-rank schedules (ZBVZeroBubble, DualPipeV,
+    # Interleaved*) need 4 stages at PP2, and k31_small's 12-layer blocks give only 2. A different model (AttnRes
+    # mixes every 4 layers): compare it with itself on one GPU.
+    "k31_small_pp": {**_SMALL, **_K31_INDEXER, "attn_res_block_size": 4},
     "k3_medium": _MEDIUM,
     "k31_medium": {**_MEDIUM, **_K31_INDEXER},
     "k3": {},
