@@ -17,6 +17,8 @@
 #               4-layer AttnRes blocks of k31_small_pp and >= 4 microbatches: 4 sequences of 4,096)
 #   ref_s16k    1 GPU, 1 x 16,384 tokens                                <- cp2 (2 x 8,192 tokens of one sequence)
 #   ref_b1      1 GPU, the recipe itself (1 x 8,192): the one-GPU speed at 8,192 tokens per GPU, no comparison
+# With the recipe's bf16 weights, FSDP's bf16 parameter copies are the weights themselves: one GPU and FSDP share a
+# precision policy (with fp32 master weights they would not; docs/parallelism.md).
 # Eager (COMPILE=none) by default: the shipped reduce-overhead mode's CUDA graphs under NCCL and under the profiler
 # are untried, and eager starts in seconds; COMPILE=reduce-overhead runs the recipe's mode. bf16 weights + moments as
 # the recipe ships; tolerance: docs/perf.md's (step 1 within 2e-3 relative, mean |dloss| within 0.11 over 20 steps).

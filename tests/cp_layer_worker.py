@@ -8,10 +8,15 @@ rank's tokens against the same layer run on the whole batch in one process. Two 
 boundaries, one starts exactly on one, and one spans several pieces. Prints from rank 0, one line per case:
 ``CP <kind> <layout> world <W> out <rel> dx <rel> grads <worst rel> remote <share>`` (remote: the share of the
 DSA's selected keys that lie on other ranks; -1 for the other kinds).
+
+``--device cuda`` (tests/test_multi_gpu.py, one GPU per rank): NCCL and the GPU kernels (FLA's cp_context for KDA,
+the Triton indexer and sparse MLA), the one-process reference on the same GPU with the same kernels. A world of 2
+is then its only CP group.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -39,16 +44,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def run(kind: str, layout: str, group: dist.ProcessGroup) -> None:
+def run(kind: str, layout: str, group: dist.ProcessGroup, device: torch.device) -> None:
     world = dist.get_world_size(group)
     args = model_args_for("k31_debug" if kind == "dsa" else "k3_debug")
     torch.manual_seed(0)
     layer = KimiDeltaAttention(args) if kind == "kda" else GatedMLA(args)
-    layer.init_weights()
+    layer.init_weights()  # on the CPU, then moved: the same values on every device
+    layer.to(device)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(B, S, args.dim, generator=gen)
-    cot = torch.randn(B, S, args.dim, generator=gen)
-    doc = doc_ids(world)
+    x = torch.randn(B, S, args.dim, generator=gen).to(device)
+    cot = torch.randn(B, S, args.dim, generator=gen).to(device)
+    doc = doc_ids(world).to(device)
 
     x_ref = x.clone().requires_grad_()
     y_ref = layer(x_ref, build_sequence_info(B, S, x.device, doc))
@@ -57,13 +63,13 @@ def run(kind: str, layout: str, group: dist.ProcessGroup) -> None:
     layer.zero_grad()
 
     cp = ContextParallel(group, layout)
-    pos = cp.positions(S)
+    pos = cp.positions(S, device=device)
     x_loc = x[:, pos].clone().requires_grad_()
     seq = cp.build_sequence(B, S // world, x.device, doc)
     remote = -1.0
     if kind == "dsa":
         idx = layer.indexer(x_loc, layer._queries(x_loc)[1], seq)
-        local_keys = (torch.arange(B).unsqueeze(1) * S + pos).reshape(-1)
+        local_keys = (torch.arange(B, device=device).unsqueeze(1) * S + pos).reshape(-1)
         chosen = idx[idx >= 0].long()
         remote = float((~torch.isin(chosen, local_keys)).float().mean())
     y = layer(x_loc, seq)
@@ -75,21 +81,35 @@ def run(kind: str, layout: str, group: dist.ProcessGroup) -> None:
             grad = p.grad.clone()
             dist.all_reduce(grad, group=group)
             worst = max(worst, rel(grad, ref_grads[name]))
-    stats = torch.tensor([errs["out"], errs["dx"], worst, remote])
+    stats = torch.tensor([errs["out"], errs["dx"], worst, remote], device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         print(f"CP {kind} {layout} world {world} out {stats[0]:.2e} dx {stats[1]:.2e} grads {stats[2]:.2e} "
               f"remote {stats[3]:.2f}", flush=True)
 
 
+GPU_KERNELS = {"kda": "fla", "indexer_topk": "triton", "sparse_mla": "triton"}
+
+
 def main() -> None:
-    dist.init_process_group("gloo")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    if parser.parse_args().device == "cuda":
+        from lowerings.ops.registry import configure_backends
+
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        configure_backends(GPU_KERNELS)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
-    for group in (dist.group.WORLD, pairs[rank // 2]):
+    for group in (dist.group.WORLD,) if world == 2 else (dist.group.WORLD, pairs[rank // 2]):
         for kind in ("kda", "mla", "dsa"):
             for layout in ("contiguous", "zigzag"):
-                run(kind, layout, group)
+                run(kind, layout, group, device)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,5 +1,6 @@
-"""Launched by tests/test_parallel.py under torchrun on 4 gloo ranks: for each layout, one step's gradients of
-the real Trainer (fp32) against one process computing the whole global batch with the same initial weights.
+"""Launched by tests/test_parallel.py under torchrun on 4 gloo ranks (and by tests/test_multi_gpu.py on 2 NCCL
+ranks, one GPU each): for each layout, one step's gradients of the real Trainer (fp32) against one process
+computing the whole global batch with the same initial weights, on the Trainer's device (CUDA when there is one).
 
 Prints one line per layout, ``PARITY <name> grad_rel <worst> loss_rel <rel> params <n>``, from rank 0 (every
 rank checks its own parameters; the worst error is reduced over ranks). The image-text layouts (``vl_*``) run the
@@ -100,10 +101,10 @@ CP_LAYOUTS = {
 }
 
 
-def reference(cfg, args, global_batch: int, tokenizer):
+def reference(cfg, args, global_batch: int, tokenizer, device: torch.device):
     """Loss, gradients and the model of one process on the whole global batch, from the Trainer's initial weights."""
     model = build_model_from_config(cfg, args, tokenizer)  # on meta; image-text and LoRA as the config says
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     init_weights_seeded(model, cfg.job.seed)
     if cfg.checkpoint.initial_load_path:
         load_model_weights(model, cfg.checkpoint.initial_load_path)
@@ -115,7 +116,7 @@ def reference(cfg, args, global_batch: int, tokenizer):
                               seq_len=cfg.training.seq_len, local_batch_size=global_batch, dp_rank=0,
                               dp_world_size=1, seed=cfg.job.seed, shuffle=cfg.data.shuffle,
                               vocab_size=args.vocab_size, image_processor=processor)
-    batch = next(iter(loader))
+    batch = {k: v.to(device) for k, v in next(iter(loader)).items()}
     valid = float((batch["labels"] != -100).sum())
     images = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
     hidden = model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True, **images)
@@ -145,14 +146,16 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     layout = resolve_layout(cfg.parallelism, env.world_size, args, local_batch_size=cfg.training.local_batch_size,
                             seq_len=cfg.training.seq_len)
     trainer = Trainer(cfg, args, layout, env)
-    ref_loss, ref_grads, ref_model = reference(cfg, args, trainer.global_batch, trainer.tokenizer)
+    device = trainer.device
+    ref_loss, ref_grads, ref_model = reference(cfg, args, trainer.global_batch, trainer.tokenizer, device)
     if cfg.lora.enable:
         check_adapter_files(name, trainer, ref_model, env)
     data = iter(trainer.dataloader)
     host = [trainer._local(next(data)) for _ in range(trainer.accum_steps)]
     normalizer = trainer._global_valid_tokens(host)
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=device)
     for batch in host:
+        batch = {k: v.to(device) for k, v in batch.items()}
         loss += trainer._micro_step(batch, normalizer, backward=True)
     trainer.replicated.sync()
     dist.all_reduce(loss)
@@ -172,7 +175,7 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
                 print(f"rank {env.rank} {name} {fqn} rel {err:.3e} {type(p).__name__} {p.shape}", flush=True)
             worst = max(worst, err)
             count += 1
-    stats = torch.tensor([worst, float(count)])
+    stats = torch.tensor([worst, float(count)], device=device)  # NCCL reduces device tensors only
     dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
     dist.all_reduce(stats[1:])
     if env.rank == 0:
