@@ -4,6 +4,7 @@
 # into $OUT/all.tgz as it ends so a call cut short still returns what finished.
 #   usage (two device calls):  OUT=/tmp/out PARTS="refs fsdp ep" bash scripts/gpu_multi_validate.sh
 #                              OUT=/tmp/out PARTS="pp cp tests" bash scripts/gpu_multi_validate.sh
+#   (PARTS=tests alone again if the second call ran out of time)
 #   then, here, unpack both all.tgz into one folder and: python3 scripts/summarize_layout_runs.py FOLDER/runs
 # PARTS: refs (the four one-GPU references, two at a time on GPU 0 and GPU 1), fsdp (FSDP2, dp_shard 2), ep (FSDP2
 #   + EP2), pp (PP2 1F1B; PP2 ZBVZeroBubble), cp (CP2 zigzag: FLA cp_context for KDA, latent gather for MLA/DSA),
@@ -28,6 +29,7 @@
 set -u
 PARTS=${PARTS:-refs fsdp ep}
 COMPILE=${COMPILE:-none}
+TRITON_AUTOTUNE=${TRITON_AUTOTUNE:-true}  # the recipe's; false = default configs, a faster first step of each run
 STEPS=${STEPS:-20}
 RUN_TIMEOUT=${RUN_TIMEOUT:-280}
 RECIPE=${RECIPE:-train_configs/k31_small.toml}
@@ -66,7 +68,7 @@ printf '%s\n' \
   > "$WORK/runs/layouts.tsv"
 
 COMMON=(--job.config_file "$RECIPE" --training.steps "$STEPS" --metrics.log_freq 1
-        --compile.mode "$COMPILE" --profiling.enable true --profiling.steps -1)
+        --compile.mode "$COMPILE" --kernels.triton_autotune "$TRITON_AUTOTUNE" --profiling.enable true --profiling.steps -1)
 train() {  # $1 = name, $2 = GPUs, $3 = CUDA devices, rest = overrides of the recipe
   local name=$1 gpus=$2 devices=$3; shift 3
   rm -rf "$WORK/runs/$name"

@@ -96,6 +96,9 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     if parser.parse_args().device == "cuda":
         from lowerings.ops.registry import configure_backends
+        from lowerings.settings import configure_kernel_settings
+
+        configure_kernel_settings(triton_autotune=False)  # default configs: correctness is checked, not speed
 
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
