@@ -51,6 +51,7 @@ def _x(name, cat, ts, dur):
 
 def test_cuda_step_summary_from_synthetic_trace():
     events = [_x(STEP_ANNOTATION, "user_annotation", 1000, 1000),
+              _x(STEP_ANNOTATION, "gpu_user_annotation", 1050, 1000),  # the device's copy: not the window
               _x("ncclDevKernel_AllGather", "kernel", 1100, 200),
               _x("ncclDevKernel_ReduceScatter", "kernel", 1250, 100),  # overlaps the first: 250 us in all
               _x("gemm", "kernel", 1300, 400),

@@ -64,7 +64,9 @@ def summarize_trace(events: list[dict], *, rank: int, step: int, device_type: st
                     peak_mem_gib: float = 0.0) -> StepProfile:
     """The step's profile from chrome-trace events (``traceEvents``; ts and dur in microseconds)."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
-    windows = [e for e in complete if e.get("name") == STEP_ANNOTATION]
+    # The host's range (the CUDA timeline repeats it as a gpu_user_annotation); the step ends with a device sync,
+    # so the kernels it launched finish inside it.
+    windows = [e for e in complete if e.get("name") == STEP_ANNOTATION and e.get("cat") == "user_annotation"]
     if not windows:
         raise ValueError(f"no {STEP_ANNOTATION!r} event in the trace of step {step}, rank {rank}")
     lo = min(float(e["ts"]) for e in windows)

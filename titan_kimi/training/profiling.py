@@ -51,7 +51,7 @@ class StepProfiler:
         out.mkdir(parents=True, exist_ok=True)
         trace = out / f"rank{self.rank}.trace.json.gz"
         prof.export_chrome_trace(str(trace))  # gzipped: the name ends in .gz
-        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=KERNEL_TABLE_ROWS)
         (out / f"rank{self.rank}.kernels.txt").write_text(table + "\n", encoding="utf-8")
         with gzip.open(trace, "rt", encoding="utf-8") as f:
