@@ -5,7 +5,9 @@
 #   usage (two device calls):  OUT=/tmp/out PARTS="refs fsdp ep" bash scripts/gpu_multi_validate.sh
 #                              OUT=/tmp/out PARTS="pp cp tests" bash scripts/gpu_multi_validate.sh
 #   (PARTS=tests alone again if the second call ran out of time)
-#   then, here, unpack both all.tgz into one folder and: python3 scripts/summarize_layout_runs.py FOLDER/runs
+#   PRIOR=DIR: an unpacked all.tgz of an earlier call (e.g. carried in an ignored folder of the tree); its runs are
+#   copied in first (not overwriting), so this call's summary.md also compares with the references run there.
+#   Or, here, unpack both all.tgz into one folder and: python3 scripts/summarize_layout_runs.py FOLDER/runs
 # PARTS: refs (the four one-GPU references, two at a time on GPU 0 and GPU 1), fsdp (FSDP2, dp_shard 2), ep (FSDP2
 #   + EP2), pp (PP2 1F1B; PP2 ZBVZeroBubble), cp (CP2 zigzag: FLA cp_context for KDA, latent gather for MLA/DSA),
 #   tests (tests/test_multi_gpu.py: NCCL EP all-to-all, PP hand-off, CP KDA/MLA/DSA vs one GPU).
@@ -38,6 +40,7 @@ want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/gpu_multi_validate}
 WORK=${WORK:-/tmp/gpu_multi_validate_work}  # runs live here: $OUT returns only a few files, two folders deep
 mkdir -p "$OUT" "$WORK/runs"
+if [ -n "${PRIOR:-}" ]; then cp -rn "$PRIOR/runs/." "$WORK/runs/" || exit 1; fi
 if [ -d .whl ]; then  # the GPU machine has no network: wheels travel with the tree
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
