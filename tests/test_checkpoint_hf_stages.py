@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import titan_kimi.checkpoint.hf_export_stages as stages_module
 from titan_kimi.checkpoint import export_hf_checkpoint, export_hf_stages, load_hf_checkpoint
+from titan_kimi.checkpoint.destinations import model_destinations
 from titan_kimi.config import load_job_config
 from titan_kimi.lora import merged_tensors
 from titan_kimi.lora.modules import is_adapter_parameter
@@ -39,12 +40,33 @@ def assert_same_checkpoint(a: Path, b: Path) -> None:
 
 
 def fill_adapters(model: torch.nn.Module, seed: int) -> None:
-    """Non-zero LoRA factors (B starts at zero), drawn per name: the same in every layout."""
+    """Non-zero LoRA factors (B starts at zero), drawn per name over the global shape: the same values in every
+    layout (a sharded factor copies its own box)."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if is_adapter_parameter(name):
-                gen = torch.Generator().manual_seed(parameter_seed(seed, name, 0))
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        for dest in model_destinations(model):
+            if is_adapter_parameter(dest.fqn):
+                gen = torch.Generator().manual_seed(parameter_seed(seed, dest.fqn, 0))
+                full = torch.randn(dest.global_shape, generator=gen) * 0.05
+                box = tuple(slice(o, o + n) for o, n in zip(dest.offset, dest.local_shape))
+                dest.local.copy_(full[box])
+
+
+def logits_with_an_image(model: torch.nn.Module) -> torch.Tensor:
+    """Logits of one row holding one image (through the tower and projector) for an image-text model; of text
+    tokens for a text model."""
+    args, vision = model.args, getattr(model, "vision_args", None)
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, args.vocab_size, (1, 12), generator=gen)
+    if vision is None:
+        with torch.no_grad():
+            return model(tokens)
+    tokens[tokens == vision.media_placeholder_token_id] = 1
+    tokens[0, 3] = vision.media_placeholder_token_id
+    kh, kw = vision.merge_kernel
+    grid = torch.tensor([[1, 2 * kh, 2 * kw]])
+    pixels = torch.randn(int(grid.prod()), 3, vision.patch_size, vision.patch_size, generator=gen)
+    with torch.no_grad():
+        return model(tokens, pixel_values=pixels, grid_thws=grid)
 
 
 def text_model(layer_range=None) -> KimiK3Model:
@@ -97,9 +119,7 @@ def test_image_text_stages_with_lora_merged_export_the_whole_models_checkpoint(t
                                                      "--model.dtype", "float32"], environ={}), args, tokenizer)
     plain.to_empty(device="cpu")
     load_hf_checkpoint(plain, tmp_path / "pp")  # strict: every tower, projector and text key
-    tokens = torch.randint(0, args.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        merged, adapted = plain(tokens), whole(tokens)
+    merged, adapted = logits_with_an_image(plain), logits_with_an_image(whole)
     assert torch.allclose(merged, adapted, rtol=1e-4, atol=1e-5)
 
 
