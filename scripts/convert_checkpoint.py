@@ -2,10 +2,17 @@
 
     # HF safetensors (MXFP4 or bf16 experts) -> model-only DCP checkpoint (model args from HF_DIR/config.json)
     python scripts/convert_checkpoint.py hf-to-dcp HF_DIR OUT_DIR [--flavor k31_debug | --hf-config config.json]
+        [--vision-flavor moonvit3d | --text-only]
 
     # DCP (a training step-N folder, or the checkpoint folder: its latest step) -> HF safetensors
     python scripts/convert_checkpoint.py dcp-to-hf DCP_DIR OUT_DIR [--flavor k3 | --hf-config config.json]
-        [--dtype bfloat16] [--fp32-params-dtype float32] [--mxfp4-experts] [--max-shard-size 5GB]
+        [--vision-flavor moonvit3d] [--dtype bfloat16] [--fp32-params-dtype float32] [--mxfp4-experts]
+        [--max-shard-size 5GB]
+
+An image-text checkpoint keeps its vision tower and projector (``vision_tower.*``, ``mm_projector.*``, the public
+K3.1-Pro names) both ways. The tower comes from --vision-flavor, else from the config.json that gives the text
+model (hf-to-dcp without --flavor: its vision_config; --text-only drops the tower), else (dcp-to-hf) from the
+vision_args.json saved with the checkpoint.
 
 Both directions hold one tensor (HF -> DCP) or one shard (DCP -> HF) in memory at a time, and write to a
 temporary folder that is renamed into place when complete. The model args of dcp-to-hf default to the
@@ -31,6 +38,7 @@ from titan_kimi.checkpoint.hf_config import model_args_from_hf, read_hf_config  
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
 from titan_kimi.checkpoint.progress import ProgressBar  # noqa: E402
 from titan_kimi.models.kimi_k3 import model_args_for  # noqa: E402
+from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs, vision_args_for  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -57,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument("--flavor",
                            help=f"model flavor from the registry (e.g. k3, k31, k31_debug); {required_hint}")
         group.add_argument("--hf-config", type=Path, help="an HF config.json (composite kimi_k3 or bare text config)")
+        p.add_argument("--vision-flavor", help="the vision tower of an image-text model (e.g. moonvit3d, "
+                                                "moonvit3d_debug); default: see below")
         p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the written tensors")
         p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -65,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     h2d.add_argument("hf_dir", type=Path)
     h2d.add_argument("out_dir", type=Path)
     model_flags(h2d, "default: HF_DIR/config.json")
+    h2d.add_argument("--text-only", action="store_true",
+                     help="convert the text model only: skip the vision tower and projector keys")
 
     d2h = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> HF safetensors folder")
     d2h.add_argument("dcp_dir", type=Path)
@@ -92,6 +104,18 @@ def _latest_step(path: Path) -> Path:
     return steps[-1][1]
 
 
+def _hf_vision(opts: argparse.Namespace) -> KimiK3VisionArgs | None:
+    """hf-to-dcp's tower: --vision-flavor, or the vision_config of the config.json that gives the text model."""
+    if opts.vision_flavor:
+        if opts.text_only:
+            raise ValueError("--vision-flavor and --text-only contradict each other; keep one")
+        return vision_args_for(opts.vision_flavor)
+    if opts.flavor or opts.text_only:
+        return None
+    config = read_hf_config(opts.hf_config if opts.hf_config else opts.hf_dir)
+    return KimiK3VisionArgs.from_hf_config(config) if "vision_config" in config else None
+
+
 def run(argv: list[str] | None = None) -> Path:
     opts = build_parser().parse_args(argv)
     dtype = DTYPES[opts.dtype]
@@ -101,12 +125,14 @@ def run(argv: list[str] | None = None) -> Path:
             args = model_args_for(opts.flavor)
         else:
             args = model_args_from_hf(opts.hf_config if opts.hf_config else opts.hf_dir)
-        return hf_to_dcp(opts.hf_dir, opts.out_dir, args=args, dtype=dtype, overwrite=opts.overwrite, progress=progress)
+        return hf_to_dcp(opts.hf_dir, opts.out_dir, args=args, vision=_hf_vision(opts), dtype=dtype,
+                         overwrite=opts.overwrite, progress=progress)
     base = read_hf_config(opts.hf_config) if opts.hf_config else None
     args = model_args_for(opts.flavor) if opts.flavor else model_args_from_hf(opts.hf_config) if base else None
+    vision = vision_args_for(opts.vision_flavor) if opts.vision_flavor else None
     refuse_output_in_source(opts.dcp_dir, opts.out_dir)  # the folder given, not only the step chosen in it
     return dcp_to_hf(
-        _latest_step(opts.dcp_dir), opts.out_dir, args=args, dtype=dtype,
+        _latest_step(opts.dcp_dir), opts.out_dir, args=args, vision=vision, dtype=dtype,
         fp32_params_dtype=DTYPES[opts.fp32_params_dtype] if opts.fp32_params_dtype else None,
         mxfp4_experts=opts.mxfp4_experts, max_shard_bytes=opts.max_shard_size, base_config=base,
         overwrite=opts.overwrite, progress=progress,

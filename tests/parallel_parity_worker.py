@@ -5,7 +5,8 @@ computing the whole global batch with the same initial weights, on the Trainer's
 Prints one line per layout, ``PARITY <name> grad_rel <worst> loss_rel <rel> params <n>``, from rank 0 (every
 rank checks its own parameters; the worst error is reduced over ranks). The image-text layouts (``vl_*``) run the
 k31_medpix_debug recipe; with LoRA they also check that only adapters get gradients and that the adapters saved
-from the pipeline stages are the file one process writes.
+from the pipeline stages are the file one process writes. The layouts in ``HF_EXPORT`` also export their stages
+as one HF checkpoint (adapters merged) and check it against one process's export of the same weights.
 """
 
 from __future__ import annotations
@@ -20,18 +21,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_kimi.checkpoint import load_model_weights
+from titan_kimi.checkpoint import export_hf_checkpoint, export_hf_stages, load_hf_checkpoint, load_model_weights
 from titan_kimi.checkpoint.destinations import canonical_fqn
 from titan_kimi.config import load_job_config
 from titan_kimi.data import build_dataloader
 from titan_kimi.data.image_processor import ImageProcessor
-from titan_kimi.lora import is_adapter_parameter, save_adapters
+from titan_kimi.lora import is_adapter_parameter, merged_tensors, save_adapters
 from titan_kimi.parallel.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.train import Trainer
 from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.seeded_init import init_weights_seeded
+
+from test_checkpoint_hf_stages import assert_same_checkpoint, fill_adapters, logits_with_an_image
 
 GLOBAL_BATCH = 8
 COMMON = ["--job.config_file", "train_configs/k31_debug.toml", "--model.flavor", "k31_debug_pp",
@@ -78,6 +81,9 @@ VL_LAYOUTS = {
                         "ZBVZeroBubble", "--lora.enable", "true", "--lora.target_modules",
                         "attention,experts,projector,vision_tower"],
 }
+# Layouts whose stages also export one HF checkpoint: text PP2 x EP2 x FSDP2, image-text PP2 x FSDP2 with LoRA
+# merged, and two stages per rank (ZBV).
+HF_EXPORT = ("pp2_ep2_fsdp2", "vl_lora_pp2_fsdp2", "vl_lora_pp2_zbv")
 # With an HF checkpoint (argument --hf PATH): every rank reads only its own keys and boxes (pipeline stages,
 # FSDP shards, expert shards of an efsdp 2 x ep 2 mesh) as initial weights.
 HF_LAYOUTS = {
@@ -140,8 +146,34 @@ def check_adapter_files(name: str, trainer, reference_model, env: DistEnv) -> No
     dist.barrier()
 
 
+def check_hf_export(name: str, argv: list[str], trainer, reference_model, env: DistEnv) -> None:
+    """The stages' HF export (adapters non-zero and merged) is one process's export of the same weights: same
+    keys, equal tensors, index total and config.json; it loads into a one-process model with its logits."""
+    folder = Path(tempfile.gettempdir()) / f"titan_kimi_parity_{os.getppid()}" / f"{name}_hf"
+    lora = trainer.cfg.lora.enable
+    if lora:
+        for model in [*trainer.model_parts, reference_model]:
+            fill_adapters(model, trainer.cfg.job.seed)
+    export_hf_stages(trainer.model_parts, folder / "pipeline", group=trainer.meshes.pp_group, dtype=torch.float32,
+                     tensors_of=merged_tensors if lora else None)
+    export_hf_checkpoint(reference_model, folder / "single", dtype=torch.float32,  # every rank calls; rank 0 writes
+                         tensors=merged_tensors(reference_model) if lora else None)
+    if env.rank == 0:
+        assert_same_checkpoint(folder / "pipeline", folder / "single")
+        cfg = load_job_config([*argv, "--lora.enable", "false"], environ={})  # the model without adapters
+        plain = build_model_from_config(cfg, trainer.args, trainer.tokenizer)
+        plain.to_empty(device="cpu")
+        load_hf_checkpoint(plain, folder / "pipeline")
+        ours, reference = logits_with_an_image(plain), logits_with_an_image(reference_model)
+        assert torch.allclose(ours, reference, rtol=1e-4, atol=1e-5) if lora else torch.equal(ours, reference), name
+        print(f"HF_EXPORT {name} ok files {len(list((folder / 'pipeline').glob('*.safetensors')))}", flush=True)
+        shutil.rmtree(folder)
+    dist.barrier()
+
+
 def check(name: str, overrides: list[str], env: DistEnv) -> None:
-    cfg = load_job_config(overrides if name in VL_LAYOUTS else [*COMMON, *overrides])
+    argv = overrides if name in VL_LAYOUTS else [*COMMON, *overrides]
+    cfg = load_job_config(argv)
     args = model_args_from_config(cfg)
     layout = resolve_layout(cfg.parallelism, env.world_size, args, local_batch_size=cfg.training.local_batch_size,
                             seq_len=cfg.training.seq_len)
@@ -182,6 +214,8 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
         loss_rel = abs(float(loss) - ref_loss) / abs(ref_loss)
         print(f"PARITY {name} grad_rel {float(stats[0]):.3e} loss_rel {loss_rel:.3e} params {int(stats[1])}",
               flush=True)
+    if name in HF_EXPORT:  # after the gradients: no optimizer step ran, the weights are still the seeded ones
+        check_hf_export(name, argv, trainer, ref_model, env)
     trainer.close()
 
 

@@ -27,7 +27,8 @@ def assert_same_state(a, b):
 def test_hf_to_dcp_to_hf_round_trip(tmp_path, capsys):
     reference = build_model("k31_debug", seed=31)
     source = write_hf(tmp_path / "hf", hf_layout(reference, mxfp4=True), reference.args)
-    assert convert.main(["hf-to-dcp", str(source), str(tmp_path / "dcp")]) == 0  # args from config.json
+    # args from config.json; its vision_config is a stand-in (no real tower): the text model only
+    assert convert.main(["hf-to-dcp", str(source), str(tmp_path / "dcp"), "--text-only"]) == 0
     assert "hf-to-dcp" in capsys.readouterr().err  # the progress bar
     assert checkpoint_format(tmp_path / "dcp") == "dcp"
     model = empty_like_model(reference)
@@ -94,7 +95,7 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
           "checkpoint, 2 in this model")
     assert not (tmp_path / "d").exists() and not (tmp_path / ".d.tmp").exists()  # nothing half-written
     fails(["dcp-to-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--flavor", "k3_debug"], "holds no complete step-N")
-    assert convert.main(["hf-to-dcp", str(source), str(tmp_path / "dcp"), "--quiet"]) == 0
+    assert convert.main(["hf-to-dcp", str(source), str(tmp_path / "dcp"), "--text-only", "--quiet"]) == 0
     fails(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "k31_debug"],
           "index_n_heads: 0 in the checkpoint, 2 in this model")
     (tmp_path / "dcp" / "model_args.json").unlink()  # as saved by an older titan_kimi
@@ -152,3 +153,57 @@ def test_a_wrong_flavor_never_drops_weights_and_a_corrupt_dcp_exits_2(tmp_path, 
     (step / ".metadata").write_bytes(b"garbage")
     assert convert.main(["dcp-to-hf", str(step), str(tmp_path / "out"), "--flavor", "k31_debug", "--quiet"]) == 2
     assert f"DCP metadata {step / '.metadata'} cannot be read" in capsys.readouterr().err
+
+
+def public_vision_keys(n_blocks: int) -> set[str]:
+    """Spec §9.2's tower and projector keys (the public K3.1-Pro layout), restated here."""
+    blocks = {f"vision_tower.encoder.blocks.{i}.{name}.weight" for i in range(n_blocks)
+              for name in ("norm0", "norm1", "wqkv", "wo", "mlp.fc0", "mlp.fc1")}
+    return blocks | {"vision_tower.patch_embed.proj.weight", "vision_tower.patch_embed.pos_emb.weight",
+                     "vision_tower.encoder.final_layernorm.weight", "mm_projector.proj.0.weight",
+                     "mm_projector.proj.2.weight", "mm_projector.post_norm.weight"}
+
+
+def test_an_image_text_training_checkpoint_keeps_its_tower_through_dcp_hf_dcp(tmp_path):
+    from test_checkpoint_hf_stages import assert_same_checkpoint
+    from titan_kimi.checkpoint import export_hf_checkpoint
+    from titan_kimi.config import load_job_config
+    from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+    from titan_kimi.training.seeded_init import init_weights_seeded
+
+    cfg = load_job_config(["--job.config_file", "train_configs/k31_medpix_debug.toml"], environ={})
+    args = model_args_from_config(cfg)
+    tokenizer = tokenizer_from_config(cfg, args)
+
+    def vl_model(seed):
+        model = build_model_from_config(cfg, args, tokenizer)
+        model.to_empty(device="cpu")
+        init_weights_seeded(model, seed)
+        return model
+
+    model = vl_model(37)
+    ckpt = CheckpointManager(tmp_path / "ckpt", interval=1)
+    ckpt.save(3, {"model": model})  # as a training run saves it: vision_args.json beside model_args.json
+    resumed = vl_model(0)
+    assert ckpt.load({"model": resumed}) == 3  # the tower's keys are the model's, not unexpected ones
+    assert_same_state(resumed, model)
+
+    out = tmp_path / "hf"
+    assert convert.main(["dcp-to-hf", str(tmp_path / "ckpt"), str(out), "--dtype", "float32", "--quiet"]) == 0
+    tensors = read_all(out)
+    vision = {k for k in tensors if not k.startswith("language_model.")}
+    assert vision == public_vision_keys(model.vision_args.n_layers)
+    assert all(torch.equal(tensors[k], model.state_dict()[k]) for k in vision)
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"] == model.vision_args.hf_config(text_hidden_size=args.dim)
+    export_hf_checkpoint(model, tmp_path / "exported", dtype=torch.float32)  # one mapping: the export's checkpoint
+    assert_same_checkpoint(out, tmp_path / "exported")
+
+    # Back to DCP from the folder's config.json (text model and tower), then loaded as initial weights.
+    assert convert.main(["hf-to-dcp", str(out), str(tmp_path / "dcp2"), "--dtype", "float32", "--quiet"]) == 0
+    again = vl_model(0)
+    assert load_model_weights(again, tmp_path / "dcp2") == "dcp"
+    assert_same_state(again, model)
+    assert convert.main(["dcp-to-hf", str(tmp_path / "dcp2"), str(tmp_path / "hf2"), "--dtype", "float32",
+                         "--quiet"]) == 0
+    assert_same_checkpoint(tmp_path / "hf2", out)

@@ -1,6 +1,6 @@
 """The image-text recipes end to end on CPU: falling loss with and without LoRA, adapter files, FSDP2 + LoRA on
-two processes against one, LoRA at PP2 against one process (adapters merged and exported), and the one-H200 recipe
-at reduced size."""
+two processes against one, LoRA at PP2 against one process (adapters merged and exported, also by the pipelined
+run's own final HF save), and the one-H200 recipe at reduced size."""
 
 import json
 import os
@@ -114,9 +114,11 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
               "--lora.enable", "true", "--lora.target_modules", "attention,experts,projector,vision_tower",
               "--metrics.log_freq", "1", "--validation.enable", "true", "--validation.freq", "4",
               "--validation.steps", "2"]
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
+    export = ["--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",  # the final save: HF, merged
+              "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "float32"]
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common, *export,
          "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "pp2")])
-    run([sys.executable, "-m", "titan_kimi.train", *common, "--job.dump_folder", str(tmp_path / "single")])
+    run([sys.executable, "-m", "titan_kimi.train", *common, *export, "--job.dump_folder", str(tmp_path / "single")])
     (pp2, pp2_val), (single, single_val) = (
         ([m for m in rows(tmp_path / n) if "loss" in m], [m for m in rows(tmp_path / n) if "validation_loss" in m])
         for n in ("pp2", "single"))
@@ -138,6 +140,15 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
     assert any(".layers.7." in k for k in a)  # the second stage's adapters are in the one file
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
     assert (files["pp2"] / "adapter_config.json").read_text() == (files["single"] / "adapter_config.json").read_text()
+
+    # The pipelined run's own HF export (each stage's shards, one index): the one-process run's checkpoint.
+    final = {name: tmp_path / name / "checkpoint" / "hf-step-8" for name in ("pp2", "single")}
+    assert (final["pp2"] / "config.json").read_text() == (final["single"] / "config.json").read_text()
+    ours, theirs = ({k: v for f in final[n].glob("*.safetensors") for k, v in load_file(str(f)).items()}
+                    for n in ("pp2", "single"))
+    assert ours.keys() == theirs.keys() and any(k.startswith("vision_tower.") for k in ours)
+    assert not any("lora" in k for k in ours)
+    assert all(torch.allclose(ours[k], theirs[k], rtol=1e-3, atol=1e-5) for k in ours)
 
     from titan_kimi.checkpoint import export_hf_checkpoint
     from titan_kimi.config import load_job_config

@@ -44,7 +44,9 @@ def train(folder: Path, *overrides: str, nproc: int = 0) -> list[float]:
 def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
     """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2, selective AC + compile under PP2 x EP2,
     full AC under EP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
-    LoRA and with LoRA under ZBVZeroBubble (adapter files byte-equal to one process's): one step's gradients on 4 ranks."""
+    LoRA and with LoRA under ZBVZeroBubble (adapter files byte-equal to one process's): one step's gradients on 4 ranks.
+    PP2 x EP2 x FSDP2 (text) and the image-text LoRA layouts also export their stages as one HF checkpoint, equal to
+    one process's export (adapters merged) and loading back with its logits."""
     hf = tmp_path / "hf"
     torch.manual_seed(5)
     model = KimiK3Model(model_args_for("k31_debug_pp"))
@@ -59,6 +61,8 @@ def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
     for name, line in results.items():
         grad, loss, params = re.match(r"grad_rel (\S+) loss_rel (\S+) params (\d+)", line).groups()
         assert float(grad) < 1e-4 and float(loss) < 1e-5 and int(params) > 100, (name, line)
+    # The stages' HF exports equal one process's (checked in the worker, which prints these lines only then).
+    assert set(re.findall(r"HF_EXPORT (\S+) ok", out)) == {"pp2_ep2_fsdp2", "vl_lora_pp2_fsdp2", "vl_lora_pp2_zbv"}, out
 
 
 def close(curve: list[float], reference: list[float]) -> None:

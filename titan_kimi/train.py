@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_checkpoint, load_model_weights,
-                                   training_state)
+from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_checkpoint, export_hf_stages,
+                                   load_model_weights, training_state)
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX, build_dataloader
 from titan_kimi.data.causal_keys import longest_document
@@ -112,11 +112,6 @@ class Trainer:
                 f"data-parallel degree = {t.local_batch_size} x {self.dp}"
             )
         self.accum_steps = self.global_batch // (t.local_batch_size * self.dp)
-        if layout.pp > 1 and cfg.checkpoint.enable and cfg.checkpoint.last_save_in_hf:
-            raise ValueError(
-                "checkpoint.last_save_in_hf = true with parallelism.pipeline_parallel_degree = "
-                f"{layout.pp}: an HF export needs every layer in one process; save DCP (last_save_in_hf = false) "
-                "and run scripts/convert_checkpoint.py dcp-to-hf")
 
         self.tokenizer = tokenizer_from_config(cfg, args)
         self.loss_fn = LinearCrossEntropyLoss(t.loss_chunk_size)
@@ -292,8 +287,13 @@ class Trainer:
             self.checkpointer.save(self.step, {"model": ModelState(self.model_parts)}, force=True)
         if cfg.last_save_in_hf:
             path = self.checkpointer.folder / f"hf-step-{self.step}"
-            tensors = merged_tensors(self.model) if lora.enable else None
-            export_hf_checkpoint(self.model, path, dtype=DTYPES[cfg.export_dtype], overwrite=True, tensors=tensors)
+            dtype = DTYPES[cfg.export_dtype]
+            if self.pipeline is not None:  # each stage's first rank writes its shards, rank 0 the index
+                export_hf_stages(self.model_parts, path, group=self._pp_group(), dtype=dtype, overwrite=True,
+                                 tensors_of=merged_tensors if lora.enable else None)
+            else:
+                tensors = merged_tensors(self.model) if lora.enable else None
+                export_hf_checkpoint(self.model, path, dtype=dtype, overwrite=True, tensors=tensors)
             logger.info("exported HF safetensors to %s%s", path, " (LoRA merged)" if lora.enable else "")
 
     # ------------------------------------------------------------------ one step

@@ -5,6 +5,7 @@ from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RankLoc
 from titan_kimi.checkpoint.destinations import Destination, model_destinations
 from titan_kimi.checkpoint.hf_config import hf_config, hf_text_config, model_args_from_hf, read_hf_config
 from titan_kimi.checkpoint.hf_export import export_hf_checkpoint, hf_tensors_for
+from titan_kimi.checkpoint.hf_export_stages import export_hf_stages
 from titan_kimi.checkpoint.hf_index import HFCheckpoint
 from titan_kimi.checkpoint.hf_keys import plan_key
 from titan_kimi.checkpoint.hf_load import LoadReport, load_hf_checkpoint
@@ -28,6 +29,7 @@ __all__ = [
     "decode_mxfp4",
     "encode_mxfp4",
     "export_hf_checkpoint",
+    "export_hf_stages",
     "hf_config",
     "hf_tensors_for",
     "hf_text_config",

@@ -4,10 +4,15 @@ Neither direction builds the model in memory: shapes come from a meta-device mod
 materialised only while it is written (HF -> DCP: when DCP asks for it; DCP -> HF: in batches of at most
 one shard). The DCP side holds ``{"model": {fqn: tensor}}``, the same layout ``CheckpointManager`` saves, so a
 converted folder can serve as ``checkpoint.initial_load_path`` or be exported from a training checkpoint.
+
+An image-text model (``vision`` args) carries its tower and projector both ways, under the HF export's key names
+(``hf_keys.plan_key``: ``vision_tower.*`` / ``mm_projector.*``) and with its ``vision_config`` in config.json;
+the DCP side records the tower's args in ``vision_args.json`` next to ``model_args.json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections import defaultdict
@@ -23,10 +28,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from titan_kimi.checkpoint.destinations import Destination
-from titan_kimi.checkpoint.hf_config import MXFP4_QUANTIZATION_CONFIG, hf_config, model_args_from_hf
-from titan_kimi.checkpoint.hf_export import dtype_name, hf_tensors_for
+from titan_kimi.checkpoint.hf_config import model_args_from_hf
+from titan_kimi.checkpoint.hf_keys import PASSTHROUGH_PREFIXES
+from titan_kimi.checkpoint.hf_export import config_for, dtype_name, hf_tensors_for
 from titan_kimi.checkpoint.hf_index import CONFIG_FILE, HFCheckpoint
-from titan_kimi.checkpoint.hf_load import execute_reads, expected_hf_keys
+from titan_kimi.checkpoint.hf_load import execute_reads, expected_hf_keys, expected_vision_keys
 from titan_kimi.checkpoint.hf_plan import LoadPlan, Read, plan_load
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWriter
 from titan_kimi.checkpoint.manager import quiet_single_process
@@ -35,20 +41,31 @@ from titan_kimi.checkpoint.model_identity import (
     check_model_args,
     check_saved_keys,
     read_model_args,
+    read_vision_args,
     write_model_args,
+    write_vision_args,
 )
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
 from titan_kimi.models.kimi_k3.model import KimiK3Model
+from titan_kimi.models.kimi_k3.multimodal import KimiK3VLModel
+from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 MODEL_KEY = "model"
 Progress = Callable[[int, int], None]
 
 
-def model_tensor_specs(args: KimiK3ModelArgs, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """``{fqn: meta tensor}`` of the full model in its training dtypes (fp32 where the model keeps fp32)."""
+def meta_model(args: KimiK3ModelArgs, vision: KimiK3VisionArgs | None = None) -> KimiK3Model:
+    """The whole model on the meta device: the image-text model when ``vision`` is given."""
     with torch.device("meta"):
-        model = KimiK3Model(args)
+        return KimiK3VLModel(args, vision) if vision is not None else KimiK3Model(args)
+
+
+def model_tensor_specs(args: KimiK3ModelArgs, dtype: torch.dtype,
+                       vision: KimiK3VisionArgs | None = None) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """``{fqn: meta tensor}`` of the full model (with ``vision``'s tower and projector) in its training dtypes
+    (fp32 where the model keeps fp32)."""
+    model = meta_model(args, vision)
     fp32 = fp32_parameter_names(model)
     specs = {
         fqn: torch.empty(t.shape, dtype=torch.float32 if fqn in fp32 else dtype, device="meta")
@@ -81,6 +98,17 @@ class _HFSourcePlanner(DefaultSavePlanner):
         return tensor
 
 
+def check_vision_config(config: dict[str, Any], vision: KimiK3VisionArgs, file: Path) -> None:
+    """ValueError naming every tower field where the checkpoint's ``vision_config`` and ``vision`` disagree."""
+    saved = KimiK3VisionArgs.from_hf_config(config)
+    diffs = [f"{f.name}: {getattr(saved, f.name)!r} in the checkpoint, {getattr(vision, f.name)!r} given"
+             for f in dataclasses.fields(KimiK3VisionArgs)
+             if f.name != "init_std" and getattr(saved, f.name) != getattr(vision, f.name)]
+    if diffs:
+        raise ValueError(f"{file}: its vision_config describes another tower:\n  " + "\n  ".join(diffs)
+                         + "\nLeave out --vision-flavor: the folder's config.json gives the tower.")
+
+
 def refuse_output_in_source(source: str | Path, out: str | Path) -> None:
     """ValueError when the output is, contains or lies inside the source: ``--overwrite`` would delete what is
     being read (dcp-to-hf CKPT CKPT --overwrite used to replace the DCP steps by their export)."""
@@ -104,18 +132,23 @@ def hf_to_dcp(
     out_path: str | Path,
     *,
     args: KimiK3ModelArgs | None = None,
+    vision: KimiK3VisionArgs | None = None,
     dtype: torch.dtype = torch.bfloat16,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> Path:
-    """Convert an HF folder (MXFP4 experts dequantised) into a model-only DCP checkpoint at ``out_path``."""
+    """Convert an HF folder (MXFP4 experts dequantised) into a model-only DCP checkpoint at ``out_path``.
+
+    ``vision``: the tower of an image-text model, whose ``vision_tower.*`` / ``mm_projector.*`` keys are then
+    converted too (all of them: strict); None converts the text model and skips them."""
     out = Path(out_path)
     refuse_output_in_source(hf_path, out)
     if out.exists() and not overwrite:
         raise ValueError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
     args = args if args is not None else model_args_from_hf(hf_path)
-    specs, fp32 = model_tensor_specs(args, dtype)
+    specs, fp32 = model_tensor_specs(args, dtype, vision)
     destinations = [Destination(fqn, t, tuple(t.shape), (0,) * t.dim()) for fqn, t in specs.items()]
+    vision_keys = expected_vision_keys(meta_model(args, vision))
     tmp = out.parent / f".{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with HFCheckpoint(hf_path) as ckpt:
@@ -123,7 +156,10 @@ def hf_to_dcp(
         if config is not None:
             check_config_json(config, args, ckpt.path / CONFIG_FILE,
                               remedy="Leave out --flavor / --hf-config: the folder's config.json gives the model.")
-        plan = plan_load(ckpt, destinations, fp32_names=fp32, expected_keys=expected_hf_keys(args), strict=True)
+            if vision is not None and "vision_config" in config:
+                check_vision_config(config, vision, ckpt.path / CONFIG_FILE)
+        plan = plan_load(ckpt, destinations, fp32_names=fp32, expected_keys=expected_hf_keys(args), strict=True,
+                         expected_vision_keys=vision_keys)
         try:
             with quiet_single_process():
                 dcp.save(
@@ -135,25 +171,39 @@ def hf_to_dcp(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     write_model_args(tmp, args)
+    if vision is not None:
+        write_vision_args(tmp, vision)
     _replace_dir(tmp, out, overwrite)
     return out
 
 
-def _dcp_model_metadata(dcp_path: Path, specs: dict[str, torch.Tensor],
-                        args: KimiK3ModelArgs) -> dict[str, TensorStorageMetadata]:
+def _read_metadata(dcp_path: Path) -> dict[str, Any]:
     if not (dcp_path / ".metadata").is_file():
         raise ValueError(f"{str(dcp_path)!r} is not a DCP checkpoint folder (no .metadata); pass a step-N folder")
     try:
-        saved = FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
+        return FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
     except Exception as err:  # a damaged pickle raises anything from UnpicklingError to EOFError
         raise ValueError(f"DCP metadata {dcp_path / '.metadata'} cannot be read ({type(err).__name__}: {err}); "
                          f"the checkpoint is damaged") from None
+
+
+def _holds_vision(saved: dict[str, Any]) -> bool:
+    return any(k.startswith(tuple(f"{MODEL_KEY}.{p}" for p in PASSTHROUGH_PREFIXES)) for k in saved)
+
+
+def _dcp_model_metadata(dcp_path: Path, specs: dict[str, torch.Tensor], args: KimiK3ModelArgs,
+                        vision: KimiK3VisionArgs | None) -> dict[str, TensorStorageMetadata]:
+    saved = _read_metadata(dcp_path)
     remedy = "Pass the --flavor / --hf-config the checkpoint was trained with (or none: model_args.json decides)."
     saved_args = read_model_args(dcp_path)
     if saved_args is not None:
         check_model_args(saved_args, args, f"DCP checkpoint {dcp_path}", remedy=remedy)
+    if vision is None and _holds_vision(saved):
+        raise ValueError(f"DCP checkpoint {dcp_path} holds an image-text model's tower and projector but no "
+                         f"vision_args.json (saved by an older titan_kimi): pass the tower (--vision-flavor NAME, "
+                         f"or --hf-config PATH/config.json with its vision_config)")
     check_saved_keys((k[len(MODEL_KEY) + 1:] for k in saved if k.startswith(MODEL_KEY + ".")), args,
-                     f"DCP checkpoint {dcp_path}", remedy=remedy)
+                     f"DCP checkpoint {dcp_path}", remedy=remedy, vision=vision)
     found, errors = {}, []
     for fqn, spec in specs.items():
         meta = saved.get(f"{MODEL_KEY}.{fqn}")
@@ -177,6 +227,7 @@ def dcp_to_hf(
     out_path: str | Path,
     *,
     args: KimiK3ModelArgs | None = None,
+    vision: KimiK3VisionArgs | None = None,
     dtype: torch.dtype = torch.bfloat16,
     fp32_params_dtype: torch.dtype | None = None,
     mxfp4_experts: bool = False,
@@ -188,6 +239,8 @@ def dcp_to_hf(
     """Export the model entry of a DCP checkpoint (training or converted) as an HF folder at ``out_path``.
 
     ``args`` default to the ones saved with the checkpoint (``model_args.json``); given ones must match them.
+    ``vision`` (an image-text model's tower) defaults to ``vision_args.json`` saved with it; its tower and
+    projector keys are written under their HF names and its ``vision_config`` into config.json.
     """
     dcp_path = Path(dcp_path)
     if args is None:
@@ -195,10 +248,15 @@ def dcp_to_hf(
         if args is None:
             raise ValueError(f"DCP checkpoint {dcp_path} has no model_args.json (saved by an older titan_kimi): "
                              f"pass the model args (--flavor NAME or --hf-config PATH/config.json)")
-    label = dtype_name(dtype)
+    if vision is None:
+        vision = read_vision_args(dcp_path)
+    if (vision is None and base_config is not None and "vision_config" in base_config
+            and _holds_vision(_read_metadata(dcp_path))):  # a tower saved without its args: the given config's
+        vision = KimiK3VisionArgs.from_hf_config(base_config)
+    dtype_name(dtype)
     refuse_output_in_source(dcp_path, out_path)
-    specs, fp32 = model_tensor_specs(args, dtype)
-    saved = _dcp_model_metadata(dcp_path, specs, args)
+    specs, fp32 = model_tensor_specs(args, dtype, vision)
+    saved = _dcp_model_metadata(dcp_path, specs, args, vision)
     with HFShardWriter(out_path, max_shard_bytes=max_shard_bytes, overwrite=overwrite) as writer:
         batch: dict[str, torch.Tensor] = {}
         batch_bytes, done = 0, 0
@@ -231,8 +289,5 @@ def dcp_to_hf(
             batch[fqn] = tensor
             batch_bytes += nbytes
         flush()
-        config = hf_config(
-            args, base=base_config, torch_dtype=label,
-            quantization_config=MXFP4_QUANTIZATION_CONFIG if mxfp4_experts else None,
-        )
+        config = config_for(args, vision, dtype=dtype, base_config=base_config, mxfp4_experts=mxfp4_experts)
         return writer.commit({"config.json": config})

@@ -21,6 +21,7 @@ from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWrit
 from titan_kimi.checkpoint.mxfp4 import encode_mxfp4
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
+from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -52,6 +53,64 @@ def hf_tensors_for(
             yield source.key, value.to(dtype)
 
 
+def write_state(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    writer: HFShardWriter,
+    *,
+    dtype: torch.dtype,
+    fp32_params_dtype: torch.dtype | None = None,
+    mxfp4_experts: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Add the HF tensors of ``state`` (``model``'s tensors, or replacements such as merged LoRA weights) to
+    ``writer``, one model tensor at a time; a DTensor is gathered first (a collective over its own mesh)."""
+    args: KimiK3ModelArgs = model.args
+    fp32_names = {canonical_fqn(n) for n in fp32_parameter_names(model)}
+    for done, (fqn, tensor) in enumerate(state.items(), 1):
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # a collective: one tensor gathered at a time
+        if is_expert_key(fqn) and tensor.shape[0] != args.num_experts:
+            raise ValueError(
+                f"{fqn} holds {tensor.shape[0]} of num_experts={args.num_experts} experts (a plain expert-parallel "
+                f"shard); an HF export needs all of them: save a DCP checkpoint and convert it"
+            )
+        key_dtype = fp32_params_dtype if fp32_params_dtype is not None and fqn in fp32_names else dtype
+        for key, value in hf_tensors_for(fqn, tensor, dtype=key_dtype, mxfp4_experts=mxfp4_experts):
+            writer.add(key, value)
+        if progress is not None:
+            progress(done, len(state))
+
+
+def export_config(
+    model: nn.Module, *, dtype: torch.dtype, base_config: dict[str, Any] | None = None, mxfp4_experts: bool = False
+) -> dict[str, Any]:
+    """The config.json of an export of ``model`` (a whole model or any stage: both carry the full args)."""
+    return config_for(model.args, getattr(model, "vision_args", None), dtype=dtype, base_config=base_config,
+                      mxfp4_experts=mxfp4_experts)
+
+
+def config_for(
+    args: KimiK3ModelArgs,
+    vision: KimiK3VisionArgs | None,
+    *,
+    dtype: torch.dtype,
+    base_config: dict[str, Any] | None = None,
+    mxfp4_experts: bool = False,
+) -> dict[str, Any]:
+    """config.json for text ``args`` and, for an image-text model, its tower's ``vision`` args."""
+    config = hf_config(
+        args,
+        base=base_config,
+        torch_dtype=dtype_name(dtype),
+        quantization_config=MXFP4_QUANTIZATION_CONFIG if mxfp4_experts else None,
+    )
+    if vision is not None and "vision_config" not in config:  # an image-text model: its tower's config too
+        config["vision_config"] = vision.hf_config(text_hidden_size=args.dim)
+        config["media_placeholder_token_id"] = vision.media_placeholder_token_id
+    return config
+
+
 def export_hf_checkpoint(
     model: nn.Module,
     path: str | Path,
@@ -80,40 +139,19 @@ def export_hf_checkpoint(
         raise ValueError("export_hf_checkpoint needs a Kimi K3 model with .args (KimiK3ModelArgs)")
     if not (getattr(model, "is_first", True) and getattr(model, "is_last", True)):
         raise ValueError(
-            f"the model is a pipeline stage (layers {model.first_layer}..{model.last_layer - 1}); an HF export needs "
-            f"every layer: save a DCP checkpoint and run scripts/convert_checkpoint.py dcp-to-hf"
+            f"the model is a pipeline stage (layers {model.first_layer}..{model.last_layer - 1}); export every "
+            f"stage together with titan_kimi.checkpoint.export_hf_stages(parts, path, group=pp_group)"
         )
-    dtype_label = dtype_name(dtype)
+    dtype_name(dtype)
     if fp32_params_dtype is not None:
         dtype_name(fp32_params_dtype)
-    fp32_names = {canonical_fqn(n) for n in fp32_parameter_names(model)}
     state = owned_state(model) if tensors is None else tensors
     with HFShardWriter(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                        enabled=global_rank() == 0) as writer:
-        for done, (fqn, tensor) in enumerate(state.items(), 1):
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()  # a collective: one tensor gathered at a time
-            if is_expert_key(fqn) and tensor.shape[0] != args.num_experts:
-                raise ValueError(
-                    f"{fqn} holds {tensor.shape[0]} of num_experts={args.num_experts} experts (a plain expert-parallel "
-                    f"shard); an HF export needs all of them: save a DCP checkpoint and convert it"
-                )
-            key_dtype = fp32_params_dtype if fp32_params_dtype is not None and fqn in fp32_names else dtype
-            for key, value in hf_tensors_for(fqn, tensor, dtype=key_dtype, mxfp4_experts=mxfp4_experts):
-                writer.add(key, value)
-            if progress is not None:
-                progress(done, len(state))
-        config = hf_config(
-            args,
-            base=base_config,
-            torch_dtype=dtype_label,
-            quantization_config=MXFP4_QUANTIZATION_CONFIG if mxfp4_experts else None,
-        )
-        vision = getattr(model, "vision_args", None)
-        if vision is not None and "vision_config" not in config:  # an image-text model: its tower's config too
-            config["vision_config"] = vision.hf_config(text_hidden_size=args.dim)
-            config["media_placeholder_token_id"] = vision.media_placeholder_token_id
-        out = writer.commit({"config.json": config})
+        write_state(model, state, writer, dtype=dtype, fp32_params_dtype=fp32_params_dtype,
+                    mxfp4_experts=mxfp4_experts, progress=progress)
+        out = writer.commit({"config.json": export_config(model, dtype=dtype, base_config=base_config,
+                                                          mxfp4_experts=mxfp4_experts)})
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return out

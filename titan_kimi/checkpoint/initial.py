@@ -77,7 +77,7 @@ def _check_dcp_model(model: nn.Module, path: Path) -> None:
         if saved_args is not None:
             check_model_args(saved_args, args, f"DCP checkpoint {path}", remedy=remedy)
         check_saved_keys((k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX)), args,
-                         f"DCP checkpoint {path}", remedy=remedy)
+                         f"DCP checkpoint {path}", remedy=remedy, vision=getattr(model, "vision_args", None))
     missing = sorted(k for k in ModelState(model).state_dict() if MODEL_PREFIX + k not in saved)
     if missing:
         shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")

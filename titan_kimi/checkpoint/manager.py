@@ -33,9 +33,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RankLocal, RNGState, global_rank
 from titan_kimi.checkpoint.finite import check_finite_parameters
-from titan_kimi.checkpoint.model_identity import check_model_args, check_saved_keys, read_model_args, write_model_args
+from titan_kimi.checkpoint.model_identity import (check_model_args, check_saved_keys, read_model_args,
+                                                  write_model_args, write_vision_args)
 from titan_kimi.checkpoint.storage_errors import describe_write_failure
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 logger = logging.getLogger("titan_kimi")
 
@@ -90,6 +92,14 @@ def _model_args(state: dict[str, Any]) -> KimiK3ModelArgs | None:
     return None
 
 
+def _vision_args(state: dict[str, Any]) -> KimiK3VisionArgs | None:
+    """The tower args of an image-text model in a prepared state (every stage carries them)."""
+    for value in state.values():
+        if isinstance(value, ModelState):
+            return getattr(value.parts[0], "vision_args", None)
+    return None
+
+
 def _check_rank_entry(name: str, saved_keys: Any, path: Path) -> None:
     """Per-rank entries (data position, RNG) exist for the ranks that saved them only."""
     rank = global_rank()
@@ -136,7 +146,7 @@ class CheckpointManager:
         self.folder = Path(folder)
         self.enable, self.interval, self.keep_latest_k = enable, interval, keep_latest_k
         self.async_mode, self.load_step = async_mode, load_step
-        self._pending: tuple[int, Future, KimiK3ModelArgs | None] | None = None
+        self._pending: tuple[int, Future, KimiK3ModelArgs | None, KimiK3VisionArgs | None] | None = None
         self._resumed_from: int | None = None  # the step a load restored; newer steps are superseded on save
         self._stager = None
         # Background saves and barriers run on a CPU (gloo) group, as NCCL collectives cannot run off-stream.
@@ -188,7 +198,7 @@ class CheckpointManager:
             return False
         self.wait()  # the previous async save must be complete (and renamed) before the next one
         state = _prepare_state(state)
-        args = _model_args(state)
+        args, vision = _model_args(state), _vision_args(state)
         tmp = self.folder / f"step-{step}{_TMP_SUFFIX}"
         if global_rank() == 0:
             self._recover()
@@ -202,7 +212,7 @@ class CheckpointManager:
                     dcp.save(state, checkpoint_id=str(tmp))
             except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
                 raise RuntimeError(self._failed(step, "save", err)) from None
-            self._finalize(step, args)
+            self._finalize(step, args, vision)
             return True
         with quiet_single_process():
             response = dcp.async_save(
@@ -212,21 +222,21 @@ class CheckpointManager:
         staging = getattr(response, "staging_completion", None)
         if staging is not None:
             staging.result()  # the state is copied: training may change it again
-        self._pending = (step, upload, args)
+        self._pending = (step, upload, args, vision)
         return True
 
     def wait(self) -> None:
         """Finish an in-flight async save: wait for it, then rename and prune. Raises if it failed."""
         if self._pending is None:
             return
-        step, future, args = self._pending
+        step, future, args, vision = self._pending
         self._pending = None
         try:
             with quiet_single_process():
                 future.result()
         except (Exception, CheckpointException) as err:
             raise RuntimeError(self._failed(step, "async save", err)) from None
-        self._finalize(step, args)
+        self._finalize(step, args, vision)
 
     def _failed(self, step: int, what: str, err: BaseException) -> str:
         return (
@@ -235,12 +245,14 @@ class CheckpointManager:
             f"{describe_write_failure(err, self.folder)}"
         )
 
-    def _finalize(self, step: int, args: KimiK3ModelArgs | None) -> None:
+    def _finalize(self, step: int, args: KimiK3ModelArgs | None, vision: KimiK3VisionArgs | None) -> None:
         if global_rank() == 0:
             tmp, final = self.folder / f"step-{step}{_TMP_SUFFIX}", self.step_dir(step)
             try:
                 if args is not None:
                     write_model_args(tmp, args)
+                if vision is not None:  # dcp-to-hf builds the tower from it
+                    write_vision_args(tmp, vision)
             except OSError as err:
                 raise RuntimeError(self._failed(step, "save", err)) from None
             if final.exists():  # incomplete, model-only or superseded: replaced, never skipped
@@ -403,7 +415,8 @@ class CheckpointManager:
                 if saved_args is not None:
                     check_model_args(saved_args, args, f"checkpoint {path}", remedy=_REMEDY)
                 check_saved_keys((k[len(prefix):] for k in saved if k.startswith(prefix)), args,
-                                 f"checkpoint {path}", remedy=_REMEDY)
+                                 f"checkpoint {path}", remedy=_REMEDY,
+                                 vision=getattr(value.parts[0], "vision_args", None))
             missing = sorted(k for k in value.state_dict() if prefix + k not in saved)
             if missing:
                 shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -16,8 +16,11 @@ from typing import Any, Iterable
 import torch
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 MODEL_ARGS_FILE = "model_args.json"
+# An image-text model's tower and projector args, next to model_args.json (absent for a text model).
+VISION_ARGS_FILE = "vision_args.json"
 # A training setting (FLOP accounting), not a property of the weights.
 NOT_ARCHITECTURE = frozenset({"max_seq_len"})
 # Not HF config fields (checkpoint/hf_config.py): config.json cannot disagree about them.
@@ -49,6 +52,27 @@ def read_model_args(folder: str | Path) -> KimiK3ModelArgs | None:
         raise ValueError(f"{path}: not a readable model args file ({err}); the checkpoint step is damaged") from None
 
 
+def write_vision_args(folder: str | Path, vision: KimiK3VisionArgs) -> None:
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(vision).items()}
+    (Path(folder) / VISION_ARGS_FILE).write_text(json.dumps(fields, indent=1, sort_keys=True) + "\n")
+
+
+def read_vision_args(folder: str | Path) -> KimiK3VisionArgs | None:
+    """The tower args saved with an image-text checkpoint step; None for a text model (or an older save)."""
+    path = Path(folder) / VISION_ARGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        fields = json.loads(path.read_text())
+        known = {f.name for f in dataclasses.fields(KimiK3VisionArgs)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown fields {unknown}")
+        return KimiK3VisionArgs(**fields)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"{path}: not a readable vision args file ({err}); the checkpoint step is damaged") from None
+
+
 def args_differences(saved: KimiK3ModelArgs, current: KimiK3ModelArgs,
                      ignore: Iterable[str] = NOT_ARCHITECTURE) -> list[str]:
     """``name: saved X, this model Y`` for every field that differs (indexer details only when one has it)."""
@@ -73,22 +97,29 @@ def check_model_args(saved: KimiK3ModelArgs, current: KimiK3ModelArgs, source: s
 
 
 @functools.lru_cache(maxsize=8)
-def _full_model_keys(args_json: str) -> frozenset[str]:
+def _full_model_keys(args_json: str, vision_json: str | None) -> frozenset[str]:
     from titan_kimi.models.kimi_k3.model import KimiK3Model
+    from titan_kimi.models.kimi_k3.multimodal import KimiK3VLModel
 
+    args = KimiK3ModelArgs(**json.loads(args_json))
     with torch.device("meta"):
-        model = KimiK3Model(KimiK3ModelArgs(**json.loads(args_json)))
+        model = (KimiK3VLModel(args, KimiK3VisionArgs(**json.loads(vision_json))) if vision_json is not None
+                 else KimiK3Model(args))
     return frozenset(model.state_dict())
 
 
-def full_model_keys(args: KimiK3ModelArgs) -> frozenset[str]:
-    """Every state-dict key of the whole model with ``args`` (built on the meta device: no memory)."""
-    return _full_model_keys(json.dumps(args_to_json(args), sort_keys=True))
+def full_model_keys(args: KimiK3ModelArgs, vision: KimiK3VisionArgs | None = None) -> frozenset[str]:
+    """Every state-dict key of the whole model with ``args`` (and the tower of ``vision``; built on the meta
+    device: no memory)."""
+    vision_json = json.dumps(dataclasses.asdict(vision), sort_keys=True) if vision is not None else None
+    return _full_model_keys(json.dumps(args_to_json(args), sort_keys=True), vision_json)
 
 
-def check_saved_keys(saved: Iterable[str], args: KimiK3ModelArgs, source: str, *, remedy: str) -> None:
-    """ValueError when a checkpoint holds model keys that no tensor of a model with ``args`` has."""
-    unexpected = sorted(set(saved) - full_model_keys(args))
+def check_saved_keys(saved: Iterable[str], args: KimiK3ModelArgs, source: str, *, remedy: str,
+                     vision: KimiK3VisionArgs | None = None) -> None:
+    """ValueError when a checkpoint holds model keys that no tensor of a model with ``args`` (and ``vision``'s
+    tower) has."""
+    unexpected = sorted(set(saved) - full_model_keys(args, vision))
     if unexpected:
         shown = ", ".join(repr(k) for k in unexpected[:5]) + (f" and {len(unexpected) - 5} more"
                                                              if len(unexpected) > 5 else "")
