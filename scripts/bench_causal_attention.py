@@ -132,7 +132,12 @@ def main() -> None:
               f"{r['blocks_computed']:.1%} | {r['mask_build_ms']:.3f} | {r['flex_rel_err_vs_sdpa']:.1e} | "
               f"{r['flex_first_call_s']:.1f} |")
     if args.out:
-        versions = {p: importlib.metadata.version(p) for p in ("torch", "triton")}
+        versions = {}
+        for p in ("torch", "triton"):
+            try:
+                versions[p] = importlib.metadata.version(p)
+            except importlib.metadata.PackageNotFoundError:
+                versions[p] = None
         meta = {"device": torch.cuda.get_device_name(), "versions": versions, "qk_dim": DQK, "v_dim": DV,
                 "dtype": "bfloat16", "warmup": args.warmup, "repeats": args.repeats}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -30,24 +30,24 @@ def flex_backend():
     backends.selected = saved
 
 
-def seg_start_of(mean_len: int | None, seed: int = 0) -> torch.Tensor | None:
+def seg_start_of(mean_len: int | None, seq: int = S, seed: int = 0) -> torch.Tensor | None:
     """Row-local segment starts of documents of mean_len +- 50% tokens (None: one document, plain causal)."""
     if mean_len is None:
         return None
     g = torch.Generator().manual_seed(seed)
     starts, pos = [], 0
-    while pos < S:
-        n = min(S - pos, int(torch.randint(mean_len // 2, mean_len * 3 // 2 + 1, (1,), generator=g)))
+    while pos < seq:
+        n = min(seq - pos, int(torch.randint(mean_len // 2, mean_len * 3 // 2 + 1, (1,), generator=g)))
         starts += [pos] * n
         pos += n
     return torch.tensor([starts], dtype=torch.int32, device="cuda")
 
 
-def inputs(sq: int, seed: int = 0):
+def inputs(sq: int, sk: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(1, sq, H, DQK, device="cuda", generator=g).bfloat16().requires_grad_()
-    k = torch.randn(1, S, H, DQK, device="cuda", generator=g).bfloat16().requires_grad_()
-    v = torch.randn(1, S, H, DV, device="cuda", generator=g).bfloat16().requires_grad_()
+    k = torch.randn(1, sk, H, DQK, device="cuda", generator=g).bfloat16().requires_grad_()
+    v = torch.randn(1, sk, H, DV, device="cuda", generator=g).bfloat16().requires_grad_()
     return q, k, v
 
 
@@ -57,7 +57,7 @@ def fp32_reference(q, k, v, scale, seg_start, q_positions, grad_out):
     if seg_start is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
-        mask = document_causal_mask(seg_start, q_positions, S)
+        mask = document_causal_mask(seg_start, q_positions, k.shape[1])
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     out = out.transpose(1, 2)
     return (out, *torch.autograd.grad(out, (q32, k32, v32), grad_out.float()))
@@ -68,7 +68,8 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-call", "inside-compile"])
-@pytest.mark.parametrize("case", ["docs100", "docs2000", "one-document", "cp-pieces"])
+# unaligned: a row of 8,000 tokens, not a multiple of the 128-token blocks (the mask_mod runs on padded rows)
+@pytest.mark.parametrize("case", ["docs100", "docs2000", "one-document", "cp-pieces", "unaligned"])
 def test_flex_matches_sdpa_at_k3_small(flex_backend, case, compiled):
     scale = DQK**-0.5
     q_positions = None
@@ -76,9 +77,12 @@ def test_flex_matches_sdpa_at_k3_small(flex_backend, case, compiled):
         whole = seg_start_of(100)
         pos = torch.cat([torch.arange(0, S // 4), torch.arange(3 * S // 4, S)]).cuda()
         seg_start, q_positions = whole[:, pos], pos.unsqueeze(0)
+    elif case == "unaligned":
+        seg_start = seg_start_of(100, seq=8000)
     else:
         seg_start = seg_start_of({"docs100": 100, "docs2000": 2000, "one-document": None}[case])
-    q, k, v = inputs(S // 2 if case == "cp-pieces" else S)
+    row = 8000 if case == "unaligned" else S
+    q, k, v = inputs(S // 2 if case == "cp-pieces" else row, row)
 
     def attend(q, k, v, seg_start, q_positions):
         return causal_attention(q, k, v, scale=scale, seg_start=seg_start, q_positions=q_positions)
