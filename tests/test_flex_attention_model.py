@@ -94,11 +94,12 @@ def test_flex_model_matches_sdpa_eager_and_compiled(flavor, overrides, restore_b
     assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
 
 
-@pytest.mark.parametrize("flavor", ["k3_debug", "k31_debug"])
-def test_every_block_type_traces_without_graph_breaks_under_flex(flavor, restore_backend):
+def test_every_block_type_traces_without_graph_breaks_under_flex(restore_backend):
+    # k3_debug's dense MLA block; K3.1's DSA blocks reach this op only by the dense shortcut, which the fullgraph
+    # compile above covers (check_graph_breaks traces them on their sparse path).
     configure_backends({"causal_attention": "flex"})
-    results = check_graph_breaks.check(flavor, seq_len=32, device="cpu", dtype=torch.float32)
-    assert any(kind.startswith(("mla", "dsa")) for kind in results)
+    results = check_graph_breaks.check("k3_debug", seq_len=32, device="cpu", dtype=torch.float32)
+    assert "mla+moe" in results
     assert all(breaks == 0 for breaks in results.values()), results
 
 
