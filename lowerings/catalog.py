@@ -14,6 +14,7 @@ from dataclasses import dataclass
 class OpEntry:
     help: str
     backends: tuple[str, ...]  # "auto" comes on top: the first available of the op's preference order
+    reference: str = "reference"  # the backend that runs anywhere: the default selection and auto's fallback
 
 
 BACKEND_OPS: dict[str, OpEntry] = {
@@ -25,4 +26,10 @@ BACKEND_OPS: dict[str, OpEntry] = {
     "linear_cross_entropy": OpEntry(
         "lm_head + cross-entropy backend",
         ("reference", "liger")),
+    # auto = sdpa until flex has been measured on the H200 (scripts/bench_causal_attention.py, docs/ops.md).
+    "causal_attention": OpEntry(
+        "dense (document-)causal attention of the gated MLA layers: sdpa = SDPA with a dense boolean mask; flex = "
+        "FlexAttention with a block-sparse document-causal BlockMask (compiled; not yet measured on a GPU, so auto "
+        "picks sdpa)",
+        ("sdpa", "flex"), reference="sdpa"),
 }

@@ -5,7 +5,9 @@
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager vs reduce-overhead, and the fp32 one as before, + profiles), recipes (the shipped
-#   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step)
+#   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), flex_tests
+#   (kernels.causal_attention = flex against fp32 SDPA at k3_small's MLA shape), flex_ops (sdpa vs flex per-op
+#   benchmark, and the k3_small bf16 step under reduce-overhead with flex; compare with after_bf16's)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -74,6 +76,16 @@ if want cp_model; then
   timeout 220 python3 -m pytest -m gpu tests/test_context_parallel_gpu.py -q -rs -rf -k model \
     > "$OUT/pytest_cp_model_gpu.log" 2>&1
   step pytest_cp_model $?; tail -3 "$OUT/pytest_cp_model_gpu.log"
+fi
+if want flex_tests; then
+  timeout 420 python3 -m pytest -m gpu tests/test_flex_attention_gpu.py -q -rs -rf > "$OUT/pytest_flex_gpu.log" 2>&1
+  step pytest_flex $?; tail -4 "$OUT/pytest_flex_gpu.log"
+fi
+if want flex_ops; then
+  timeout 150 python3 scripts/bench_causal_attention.py --out "$OUT/bench_causal_attention.json" \
+    > "$OUT/bench_causal_attention.md" 2>&1
+  step bench_causal_attention $?; tail -12 "$OUT/bench_causal_attention.md"
+  ablate . flex_bf16 reduce-overhead -- "${BF16[@]}" --kernels.causal_attention flex
 fi
 if want before; then
   ablate .before before_fp32 default

@@ -73,7 +73,7 @@ def test_image_text_step_on_cuda_matches_the_cpu():
     labels[doc_ids == 0] = -100
     valid = float((labels != -100).sum())
     loss_fn = LinearCrossEntropyLoss(512)
-    configure_backends({op: "reference" for op in BACKEND_OPS})
+    configure_backends({op: entry.reference for op, entry in BACKEND_OPS.items()})
     cpu = build(seed=3)
     ref = loss_fn(cpu.output, cpu(tokens, pixel_values=pixels, grid_thws=grids, doc_ids=doc_ids, return_hidden=True),
                   labels, valid)
@@ -86,6 +86,6 @@ def test_image_text_step_on_cuda_matches_the_cpu():
             loss = loss_fn(gpu.output, hidden, labels.cuda(), valid)
         loss.backward()
     finally:
-        configure_backends({op: "reference" for op in BACKEND_OPS})
+        configure_backends({op: entry.reference for op, entry in BACKEND_OPS.items()})
     assert abs(float(loss) - float(ref)) < 2e-2 * abs(float(ref))
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in gpu.mm_projector.parameters())

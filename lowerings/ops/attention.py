@@ -1,13 +1,22 @@
 """Dense causal attention for the gated MLA layers (document-causal when segments are given).
 
-Plain ``scaled_dot_product_attention``: it is already compile-friendly and picks flash / cuDNN / efficient
-kernels on GPU by itself.
+Backends (``kernels.causal_attention``): ``sdpa``, plain ``scaled_dot_product_attention`` with a dense boolean
+``[B,1,Sq,Sk]`` mask (compile-friendly, picks flash / cuDNN / efficient kernels on GPU, but computes the whole
+square when documents are packed), and ``flex``, FlexAttention with a block-sparse document-causal BlockMask
+(``lowerings.kernels.flex_attention``), which skips the key blocks outside each query block's documents.
+``auto`` keeps ``sdpa`` until ``flex`` has been measured on the H200 (scripts/bench_causal_attention.py).
+Not a custom op: both backends trace into the compiled graph as they are.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from lowerings.ops.registry import op_backends, selected_backend
+
+BACKENDS = op_backends("causal_attention")
+BACKENDS.add("flex")  # runs anywhere (CPU: torch's math reference of the mask); not in auto's order yet
 
 
 def document_causal_mask(
@@ -43,7 +52,11 @@ def causal_attention(
     if q_positions is None and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal_attention: {q.shape[1]} queries and {k.shape[1]} keys need q_positions")
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    if seg_start is None:
+    if selected_backend("causal_attention") == "flex":
+        from lowerings.kernels.flex_attention import flex_causal_attention
+
+        out = flex_causal_attention(q, k, v, scale=scale, seg_start=seg_start, q_positions=q_positions)
+    elif seg_start is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         mask = document_causal_mask(seg_start, q_positions, k.shape[2])

@@ -1,6 +1,7 @@
 """Backend registry: which implementation each op runs.
 
-Every op has a ``reference`` backend (pure PyTorch, runs anywhere). Fused backends register an availability
+Every op has a reference backend (pure PyTorch, runs anywhere; named ``reference`` unless the catalog says
+otherwise). Fused backends register an availability
 check; selecting one that is unavailable fails at config validation with the reason, never mid-step.
 ``auto`` picks the first available backend of the op's preference order and logs the choice.
 
@@ -34,7 +35,10 @@ class OpBackends:
     op: str
     checks: dict[str, AvailabilityCheck] = field(default_factory=dict)
     auto_order: list[str] = field(default_factory=list)
-    selected: str = "reference"
+    selected: str = ""
+
+    def __post_init__(self) -> None:
+        self.selected = self.selected or BACKEND_OPS[self.op].reference
 
     def add(self, name: str, check: AvailabilityCheck = always_available, *, auto_rank: int | None = None) -> None:
         if name not in BACKEND_OPS[self.op].backends:  # the catalog is the one list the config is built from
@@ -52,7 +56,7 @@ class OpBackends:
             if reason is None:
                 return candidate, skipped
             skipped[candidate] = reason
-        return "reference", skipped
+        return BACKEND_OPS[self.op].reference, skipped
 
     def choices(self) -> list[str]:
         return ["auto", *BACKEND_OPS[self.op].backends]
@@ -77,7 +81,7 @@ def op_backends(op: str) -> OpBackends:
         raise ValueError(f"op {op!r} is not listed in lowerings/catalog.py; listed: {list(BACKEND_OPS)}")
     if op not in _REGISTRY:
         backends = OpBackends(op)
-        backends.add("reference")
+        backends.add(BACKEND_OPS[op].reference)
         _REGISTRY[op] = backends
     return _REGISTRY[op]
 

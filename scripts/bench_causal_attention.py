@@ -1,0 +1,147 @@
+"""Benchmark kernels.causal_attention = sdpa vs flex (forward + backward) on one GPU.
+
+Row of S = 8,192 tokens packed with documents of 100, 1,000 or 4,000 tokens, or one document (plain causal:
+sdpa then runs is_causal, no mask); 16 heads (k3_small) and 96 (K3); qk head dim 192, v 128, bf16. Both
+backends run through ``lowerings.ops.causal_attention`` as the model calls it (flex from eager code goes through
+the op's compiled wrapper, BlockMask build included). Per case: median fwd+bwd ms over repeats after warm-up,
+the BlockMask's build alone, the fraction of 128 x 128 blocks flex computes, and flex's relative error against
+sdpa. Prints a markdown table; ``--out`` writes the same as JSON. About a minute on an H200 (most of it flex's
+compiles: one per head count and mask kind).
+
+    PYTHONPATH=$PWD:/tmp/site python3 scripts/bench_causal_attention.py --out causal_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lowerings.kernels.flex_attention import document_causal_block_mask  # noqa: E402
+from lowerings.ops import causal_attention, configure_backends  # noqa: E402
+
+DQK, DV = 192, 128
+DOCS = {"100": 100, "1000": 1000, "4000": 4000, "one": None}
+
+
+def seg_start_of(seq: int, doc_len: int | None) -> torch.Tensor | None:
+    if doc_len is None:
+        return None
+    pos = torch.arange(seq, device="cuda", dtype=torch.int32)
+    return (pos - pos % doc_len).unsqueeze(0)
+
+
+def _time(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def bench_case(seq: int, heads: int, doc_len: int | None, warmup: int, repeats: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, seq, heads, DQK, device="cuda", generator=g).bfloat16().requires_grad_()
+    k = torch.randn(1, seq, heads, DQK, device="cuda", generator=g).bfloat16().requires_grad_()
+    v = torch.randn(1, seq, heads, DV, device="cuda", generator=g).bfloat16().requires_grad_()
+    grad_out = torch.randn(1, seq, heads, DV, device="cuda", generator=g).bfloat16()
+    seg_start = seg_start_of(seq, doc_len)
+    scale = DQK**-0.5
+    row: dict = {"seq": seq, "heads": heads, "doc_len": doc_len or seq}
+    outputs = {}
+    for backend in ("sdpa", "flex"):
+        configure_backends({"causal_attention": backend})
+
+        def step() -> torch.Tensor:
+            q.grad = k.grad = v.grad = None
+            out = causal_attention(q, k, v, scale=scale, seg_start=seg_start)
+            out.backward(grad_out)
+            return out
+
+        started = time.perf_counter()
+        out = step()  # first call: flex compiles here, outside the timed runs
+        torch.cuda.synchronize()
+        row[f"{backend}_first_call_s"] = time.perf_counter() - started
+        outputs[backend] = (out.detach(), q.grad, k.grad, v.grad)
+        row[f"{backend}_ms"] = _time(step, warmup, repeats)
+    row["speedup"] = row["sdpa_ms"] / row["flex_ms"]
+    row["flex_rel_err_vs_sdpa"] = max(_rel(a, b) for a, b in zip(outputs["flex"], outputs["sdpa"]))
+    return row
+
+
+def mask_stats(seq: int, doc_len: int | None, warmup: int, repeats: int) -> dict:
+    seg_start = seg_start_of(seq, doc_len)
+    build = torch.compile(lambda s: document_causal_block_mask(s, None, batch=1, q_len=seq, kv_len=seq,
+                                                               device=torch.device("cuda")).kv_num_blocks)
+    build(seg_start)
+    mask = document_causal_block_mask(seg_start, None, batch=1, q_len=seq, kv_len=seq, device=torch.device("cuda"))
+    n = -(-seq // 128)
+    computed = (mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item()
+    return {"mask_build_ms": _time(lambda: build(seg_start), warmup, repeats), "blocks_computed": computed / (n * n)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 96])
+    parser.add_argument("--docs", nargs="+", choices=list(DOCS), default=list(DOCS))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+
+    masks = {d: mask_stats(args.seq, DOCS[d], args.warmup, args.repeats) for d in args.docs}
+    rows = []
+    for heads in args.heads:
+        for d in args.docs:
+            try:
+                row = bench_case(args.seq, heads, DOCS[d], args.warmup, args.repeats)
+            except torch.OutOfMemoryError as err:
+                row = {"seq": args.seq, "heads": heads, "doc_len": DOCS[d] or args.seq, "error": f"OOM: {err}"[:200]}
+            rows.append({**row, **masks[d]})
+            torch.cuda.empty_cache()
+    configure_backends({"causal_attention": "auto"})
+
+    print(f"| heads | doc len | sdpa ms | flex ms | speedup | flex blocks | mask build ms | flex err | "
+          f"flex first call s |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['heads']} | {r['doc_len']} | {r['error']} |")
+            continue
+        print(f"| {r['heads']} | {r['doc_len']:,} | {r['sdpa_ms']:.2f} | {r['flex_ms']:.2f} | {r['speedup']:.2f}x | "
+              f"{r['blocks_computed']:.1%} | {r['mask_build_ms']:.3f} | {r['flex_rel_err_vs_sdpa']:.1e} | "
+              f"{r['flex_first_call_s']:.1f} |")
+    if args.out:
+        versions = {}
+        for p in ("torch", "triton"):
+            try:
+                versions[p] = importlib.metadata.version(p)
+            except importlib.metadata.PackageNotFoundError:
+                versions[p] = None
+        meta = {"device": torch.cuda.get_device_name(), "versions": versions, "qk_dim": DQK, "v_dim": DV,
+                "dtype": "bfloat16", "warmup": args.warmup, "repeats": args.repeats}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
