@@ -28,7 +28,7 @@ def rows(folder):
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
 def test_medpix_debug_recipe_trains_with_falling_loss(tmp_path, lora):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "-m", "titan_kimi.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "titan_kimi.train",
            "--job.config_file", "train_configs/k31_medpix_debug.toml", "--job.dump_folder", str(tmp_path)]
     out = run(cmd + (["--lora.enable", "true"] if lora else []))
     metrics = rows(tmp_path)
@@ -63,7 +63,7 @@ def test_fsdp_with_lora_on_the_image_text_model_matches_one_process(tmp_path):
               "--training.mixed_precision", "false", "--training.steps", "3", "--training.global_batch_size", "4",
               "--data.shuffle", "false", "--lr_scheduler.warmup_steps", "1", "--lora.enable", "true", "--lora.target_modules",
               "attention,experts,projector,vision_tower", "--metrics.log_freq", "1"]
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
          "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "dp2")])
     run([sys.executable, "-m", "titan_kimi.train", *common, "--training.local_batch_size", "4",
          "--job.dump_folder", str(tmp_path / "single")])
@@ -87,7 +87,7 @@ def test_expert_parallel_lora_matches_one_process(tmp_path):
     common = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
               "--training.mixed_precision", "false", "--training.steps", "3", "--training.global_batch_size", "4",
               "--data.shuffle", "false", "--lr_scheduler.warmup_steps", "1", "--lora.enable", "true"]
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
          "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
          "--job.dump_folder", str(tmp_path / "ep2")])
     run([sys.executable, "-m", "titan_kimi.train", *common, "--training.local_batch_size", "4",
@@ -116,7 +116,7 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
               "--validation.steps", "2"]
     export = ["--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",  # the final save: HF, merged
               "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "float32"]
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common, *export,
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "titan_kimi.train", *common, *export,
          "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "pp2")])
     run([sys.executable, "-m", "titan_kimi.train", *common, *export, "--job.dump_folder", str(tmp_path / "single")])
     (pp2, pp2_val), (single, single_val) = (

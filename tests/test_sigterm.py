@@ -80,7 +80,7 @@ def _worker_pids(parent: int) -> list[int]:
 
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_both_after_the_same_step(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "titan_kimi.train"]
     fp32 = ("--model.dtype", "float32", "--training.mixed_precision", "false")
     proc = start(torchrun, tmp_path / "dp2", *fp32)
     # Only the second worker gets the signal; the ranks agree after each step, so both stop and save together.

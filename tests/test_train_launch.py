@@ -38,7 +38,7 @@ def test_torchrun_data_parallel_matches_one_process(tmp_path):
               "--training.mixed_precision", "false", "--training.steps", "4", "--training.seq_len", "64",
               "--training.global_batch_size", "4", "--data.shuffle", "false",
               "--lr_scheduler.warmup_steps", "1"]
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
          "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "dp2")], tmp_path)
     run([sys.executable, "-m", "titan_kimi.train", *common, "--training.local_batch_size", "4",
          "--job.dump_folder", str(tmp_path / "single")], tmp_path)
