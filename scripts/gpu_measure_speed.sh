@@ -60,7 +60,7 @@ EOF
 if want tests; then
   tests=(tests/test_moe_gpu.py tests/test_linear_cross_entropy_gpu.py tests/test_optimizer.py
          tests/test_dsa_dense_shortcut_gpu.py tests/test_triton_kernels.py tests/test_vision_lora_gpu.py)
-  timeout 240 python3 -m pytest -m gpu --kernels-triton-autotune false "${tests[@]}" -q -rs -rf \
+  timeout -s INT -k 20 240 python3 -m pytest -m gpu --kernels-triton-autotune false "${tests[@]}" -q -rs -rf \
     > "$OUT/pytest_gpu.log" 2>&1
   step pytest $?; tail -4 "$OUT/pytest_gpu.log"
 fi
@@ -73,12 +73,12 @@ if want ops; then
     step bench_optimizer $?; tail -10 "$OUT/bench_optimizer_step.md"; }
 fi
 if want cp_model; then
-  timeout 220 python3 -m pytest -m gpu tests/test_context_parallel_gpu.py -q -rs -rf -k model \
+  timeout -s INT -k 20 220 python3 -m pytest -m gpu tests/test_context_parallel_gpu.py -q -rs -rf -k model \
     > "$OUT/pytest_cp_model_gpu.log" 2>&1
   step pytest_cp_model $?; tail -3 "$OUT/pytest_cp_model_gpu.log"
 fi
 if want flex_tests; then
-  timeout 420 python3 -m pytest -m gpu tests/test_flex_attention_gpu.py -q -rs -rf > "$OUT/pytest_flex_gpu.log" 2>&1
+  timeout -s INT -k 20 420 python3 -m pytest -m gpu tests/test_flex_attention_gpu.py -q -rs -rf > "$OUT/pytest_flex_gpu.log" 2>&1
   step pytest_flex $?; tail -4 "$OUT/pytest_flex_gpu.log"
 fi
 if want flex_ops; then

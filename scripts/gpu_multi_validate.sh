@@ -109,7 +109,7 @@ if want cp; then
     --training.seq_len 16384; step cp2 $?
 fi
 if want tests; then
-  timeout 300 python3 -m pytest -m gpu tests/test_multi_gpu.py -q -rs -rf --kernels-triton-autotune false \
+  timeout -s INT -k 20 300 python3 -m pytest -m gpu tests/test_multi_gpu.py -q -rs -rf --kernels-triton-autotune false \
     > "$WORK/pytest_multi_gpu.log" 2>&1
   step pytest_multi_gpu $?; tail -5 "$WORK/pytest_multi_gpu.log"
 fi
