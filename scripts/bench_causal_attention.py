@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowerings.kernels.flex_attention import document_causal_block_mask  # noqa: E402
 from lowerings.ops import causal_attention, configure_backends  # noqa: E402
+from cuda_timing import median_cuda_ms, rel_err  # noqa: E402  (scripts/ is sys.path[0])
 
 DQK, DV = 192, 128
 DOCS = {"100": 100, "1000": 1000, "4000": 4000, "one": None}
@@ -37,24 +37,6 @@ def seg_start_of(seq: int, doc_len: int | None) -> torch.Tensor | None:
         return None
     pos = torch.arange(seq, device="cuda", dtype=torch.int32)
     return (pos - pos % doc_len).unsqueeze(0)
-
-
-def _time(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def bench_case(seq: int, heads: int, doc_len: int | None, warmup: int, repeats: int) -> dict:
@@ -81,9 +63,9 @@ def bench_case(seq: int, heads: int, doc_len: int | None, warmup: int, repeats: 
         torch.cuda.synchronize()
         row[f"{backend}_first_call_s"] = time.perf_counter() - started
         outputs[backend] = (out.detach(), q.grad, k.grad, v.grad)
-        row[f"{backend}_ms"] = _time(step, warmup, repeats)
+        row[f"{backend}_ms"] = median_cuda_ms(step, warmup, repeats)
     row["speedup"] = row["sdpa_ms"] / row["flex_ms"]
-    row["flex_rel_err_vs_sdpa"] = max(_rel(a, b) for a, b in zip(outputs["flex"], outputs["sdpa"]))
+    row["flex_rel_err_vs_sdpa"] = max(rel_err(a, b) for a, b in zip(outputs["flex"], outputs["sdpa"]))
     return row
 
 
@@ -95,7 +77,7 @@ def mask_stats(seq: int, doc_len: int | None, warmup: int, repeats: int) -> dict
     mask = document_causal_block_mask(seg_start, None, batch=1, q_len=seq, kv_len=seq, device=torch.device("cuda"))
     n = -(-seq // 128)
     computed = (mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()).item()
-    return {"mask_build_ms": _time(lambda: build(seg_start), warmup, repeats), "blocks_computed": computed / (n * n)}
+    return {"mask_build_ms": median_cuda_ms(lambda: build(seg_start), warmup, repeats), "blocks_computed": computed / (n * n)}
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowerings import ops  # noqa: E402
 from lowerings.ops.registry import configure_backends  # noqa: E402
+from cuda_timing import median_cuda_ms, rel_err  # noqa: E402  (scripts/ is sys.path[0])
 
 BACKENDS = {"reference": None, "liger": "liger_kernel"}
 SHAPES = {"k3_small": (8192, 2048, 163840), "k3": (8192, 7168, 163840)}  # tokens, hidden, vocab
@@ -37,24 +37,6 @@ def _inputs(tokens: int, hidden: int, vocab: int) -> tuple[torch.Tensor, torch.T
     y = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
     y[torch.rand(tokens, device="cuda", generator=g) < 0.05] = ops.IGNORE_INDEX
     return h, w, y
-
-
-def _time(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def bench_one(h, w, y, warmup: int, repeats: int) -> tuple[dict, tuple[torch.Tensor, ...]]:
@@ -80,10 +62,10 @@ def bench_one(h, w, y, warmup: int, repeats: int) -> tuple[dict, tuple[torch.Ten
     loss = train_step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    result = {"fwd_bwd_ms": _time(train_step, warmup, repeats), "peak_extra_gib": peak / 2**30}
+    result = {"fwd_bwd_ms": median_cuda_ms(train_step, warmup, repeats), "peak_extra_gib": peak / 2**30}
     hh.grad = ww.grad = None
     torch.cuda.reset_peak_memory_stats()
-    result["eval_fwd_ms"] = _time(eval_step, warmup, repeats)
+    result["eval_fwd_ms"] = median_cuda_ms(eval_step, warmup, repeats)
     result["eval_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     loss = train_step()
     return result, (loss.detach(), hh.grad, ww.grad)
@@ -123,7 +105,7 @@ def main() -> None:
             if backend == "reference":
                 reference = outputs
             if reference is not None:
-                result.update({f"rel_err_{k}": _rel(a, b) for k, a, b in zip(("loss", "d_hidden", "d_weight"),
+                result.update({f"rel_err_{k}": rel_err(a, b) for k, a, b in zip(("loss", "d_hidden", "d_weight"),
                                                                                 outputs, reference)})
             rows.append({"shape": shape, "tokens": tokens, "hidden": hidden, "vocab": vocab, "backend": backend,
                          **result})
