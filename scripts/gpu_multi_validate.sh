@@ -147,7 +147,7 @@ fi
 #   4: fsdp4, selective 2       26.6 + 41.0 + 0.25 = 67.9 GiB estimated, about 93 at 1.6x
 #   4: pp2 x ep2, selective 2   pp rank 0: 25.4 + 2 x 21.6 + 0.25 = 68.9 GiB, about 95 at 1.6x (rank 1: 48.9, 62)
 #   8: fsdp8, selective 2       14.2 + 41.0 + 0.25 = 55.5 GiB estimated, about 80 at 1.6x
-#   8: pp2 x ep4, selective 2   pp rank 0: 13.2 + 2 x 21.6 + 0.25 = 56.7 GiB, about 82 at 1.6x (rank 1: 36.0, 49)
+#   8: pp2 x ep4, selective 2   pp rank 0: 13.2 + 2 x 21.6 + 0.25 = 56.7 GiB, about 83 at 1.6x (rank 1: 36.0, 49)
 #   1 GPU, full (medium_ref)    98.6 + 5.8 + 0.25 = 105 GiB estimated, about 108 at 1.6x (the states are the bulk)
 # Same global batch in every layout of one GPU count, N x 8,192 tokens (8,192 per GPU): FSDP reads 1 sequence per
 # rank on N data-parallel ranks, PP2 2 microbatches of 1 sequence per rank on N/2, the one-GPU reference N
