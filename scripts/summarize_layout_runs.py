@@ -1,12 +1,14 @@
-"""One markdown table of the layout runs of scripts/gpu_multi_validate.sh, each against its one-GPU reference.
+"""One markdown table of the layout runs of scripts/gpu_multi_validate.sh, each against its reference run(s).
 
     python3 scripts/summarize_layout_runs.py RUNS_FOLDER [--manifest RUNS_FOLDER/layouts.tsv]
 
 The manifest has one tab-separated line per run: ``name  reference  gpus  what``; a reference run has ``-`` as its
-reference. Each run is ``RUNS_FOLDER/<name>/`` with the trainer's ``metrics.jsonl`` (its profile records from
-[profiling]). Speed is the median over the steps after the first, leaving out profiled steps (the profiler's
-overhead); peak memory is the largest over ranks (the profile records), else rank 0's. The loss tolerance is
-docs/perf.md's for bf16 over 20 steps: step 1 within 2e-3 relative, mean |dloss| within 0.11.
+reference. A reference may itself be a multi-GPU run (k31_medium's FSDP run for its PP x EP x FSDP run on the
+same machine), and a run may have several lines, one per reference it is compared with. Each run is
+``RUNS_FOLDER/<name>/`` with the trainer's ``metrics.jsonl`` (its profile records from [profiling]). Speed is the
+median over the steps after the first, leaving out profiled steps (the profiler's overhead); peak memory is the
+largest over ranks (the profile records), else rank 0's. The loss tolerance is docs/perf.md's for bf16 over 20
+steps: step 1 within 2e-3 relative, mean |dloss| within 0.11.
 """
 
 from __future__ import annotations

@@ -70,3 +70,20 @@ def test_bad_manifest_line_is_rejected(tmp_path):
     (tmp_path / "layouts.tsv").write_text("fsdp2 ref_b2 2 spaces-not-tabs\n")
     with pytest.raises(ValueError, match=r"layouts.tsv:1: .*valid: name<TAB>reference\|-<TAB>gpus<TAB>what"):
         summarize.read_manifest(tmp_path / "layouts.tsv")
+
+
+def test_a_run_compared_with_a_multi_gpu_run_and_with_one_gpu(tmp_path, capsys):
+    """k31_medium's PP x EP x FSDP run has two lines: against FSDP on its machine, and against the one-GPU run."""
+    write_run(tmp_path, "med_ref4", REFERENCE, 5000.0)
+    write_run(tmp_path, "med4_fsdp4", [12.5, 11.02, 9.0, 7.0, 5.0], 6000.0, shares=(0.2, 0.2, 0.2, 0.2))
+    write_run(tmp_path, "med4_pp2_ep2", [12.5, 11.0, 9.3, 7.0, 5.0], 4000.0, shares=(0.3, 0.3, 0.4, 0.4))
+    (tmp_path / "layouts.tsv").write_text(
+        "med_ref4\t-\t1\tone GPU\nmed4_fsdp4\tmed_ref4\t4\tfsdp4\nmed4_pp2_ep2\tmed4_fsdp4\t4\tpp2 x ep2\n"
+        "med4_pp2_ep2\tmed_ref4\t4\tthe same run against one GPU\n")
+    assert summarize.main([str(tmp_path)]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| med4_pp2_ep2")]
+    assert [r[2] for r in rows] == ["med4_fsdp4", "med_ref4"]
+    assert all(r[3] == "4,000" and r[6] == "35.0% (40.0%)" for r in rows)  # one run, its numbers on both lines
+    assert rows[0][9] == "0.300" and rows[0][10] == "0.064"  # vs FSDP: |0, 0.02, 0.3, 0, 0| -> mean 0.064
+    assert rows[1][9] == "0.300" and rows[1][10] == "0.060"  # vs one GPU: |0, 0, 0.3, 0, 0|
