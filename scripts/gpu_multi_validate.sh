@@ -139,16 +139,16 @@ fi
 #      (fsdp4 + ep4 would be the same 111 GiB: EP moves expert weights, not activations)
 #   8: pp2 x dp_shard 4 x ep4   pp rank 0: 11.9 + 1.3 = 13.2 GiB + 2 x 42.0 = 97.5 GiB; pp rank 1: 14.0 + 43.1 = 57.3
 #   8: fsdp8                    12.3 + 1.9 = 14.2 GiB + 84.3 GiB = 98.7 GiB
-# Those fit 139 GiB on paper, but the estimate misses on the GPU: k31_small on one GPU estimates 26.1 + 35.6 + 0.25 =
-# 62 GiB (same command, --model.flavor k31_small) where the H200 measured 83.05 GiB eager (docs/perf.md, session 6):
-# its activations 1.6x the estimate. At 1.6x the layouts above need 149-161 GiB. So both N-GPU layouts checkpoint
+# Those fit 139 GiB on paper with ~30 GiB to spare for what the estimate leaves out (NCCL buffers, FLA and indexer
+# workspaces, fragmentation; on one H200 it came within +8% of k3_small and +6% of k31_small, docs/parallelism.md).
+# A first multi-GPU run cannot afford an OOM, so both N-GPU layouts checkpoint
 # every second block (MEDIUM_AC, default "selective 2": --activation_checkpoint.mode selective
 # --activation_checkpoint.selective_ac_option 2; MEDIUM_AC=none runs them as estimated above):
-#   4: fsdp4, selective 2       26.6 + 41.0 + 0.25 = 67.9 GiB estimated, about 93 at 1.6x
-#   4: pp2 x ep2, selective 2   pp rank 0: 25.4 + 2 x 21.6 + 0.25 = 68.9 GiB, about 95 at 1.6x (rank 1: 48.9, 62)
-#   8: fsdp8, selective 2       14.2 + 41.0 + 0.25 = 55.5 GiB estimated, about 80 at 1.6x
-#   8: pp2 x ep4, selective 2   pp rank 0: 13.2 + 2 x 21.6 + 0.25 = 56.7 GiB, about 83 at 1.6x (rank 1: 36.0, 49)
-#   1 GPU, full (medium_ref)    98.6 + 5.8 + 0.25 = 105 GiB estimated, about 108 at 1.6x (the states are the bulk)
+#   4: fsdp4, selective 2       26.6 + 41.0 + 0.25 = 67.9 GiB estimated
+#   4: pp2 x ep2, selective 2   pp rank 0: 25.4 + 2 x 21.6 + 0.25 = 68.9 GiB (rank 1: 48.9)
+#   8: fsdp8, selective 2       14.2 + 41.0 + 0.25 = 55.5 GiB estimated
+#   8: pp2 x ep4, selective 2   pp rank 0: 13.2 + 2 x 21.6 + 0.25 = 56.7 GiB (rank 1: 36.0)
+#   1 GPU, full (medium_ref)    98.6 + 5.8 + 0.25 = 105 GiB estimated (the states are the bulk)
 # Same global batch in every layout of one GPU count, N x 8,192 tokens (8,192 per GPU): FSDP reads 1 sequence per
 # rank on N data-parallel ranks, PP2 2 microbatches of 1 sequence per rank on N/2, the one-GPU reference N
 # accumulation steps of 1 -- the same N sequences per step (the loader's one shuffled order, rank r taking

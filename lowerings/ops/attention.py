@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowerings.ops.registry import op_backends, selected_backend
+from lowerings.ops.registry import on_cuda, op_backends, selected_backend
 
 BACKENDS = op_backends("causal_attention")
 BACKENDS.add("flex")  # runs anywhere (CPU: torch's math reference of the mask); not in auto's order yet
@@ -31,6 +31,25 @@ def document_causal_mask(
     s = torch.arange(num_keys if num_keys is not None else Sq, device=seg_start.device)
     t = (q_positions if q_positions is not None else torch.arange(Sq, device=seg_start.device)).unsqueeze(-1)
     return ((s <= t) & (s >= seg_start.unsqueeze(-1))).unsqueeze(1)
+
+
+class _FusedAttentionSaves(torch.autograd.Function):
+    """The memory of a fused CUDA attention kernel (flash, cuDNN, memory-efficient, flex) for fake-tensor
+    planning: it returns the output and keeps q, k, v, the output and an fp32 log-sum-exp per query row for
+    backward, never the [Sq, Sk] probabilities that the CPU math kernel would keep (16 heads at 8K tokens:
+    4 GiB per layer, which made the activation estimate of k3_small nearly twice the measured one)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def causal_attention(
@@ -52,7 +71,11 @@ def causal_attention(
     if q_positions is None and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal_attention: {q.shape[1]} queries and {k.shape[1]} keys need q_positions")
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    if selected_backend("causal_attention") == "flex":
+    if on_cuda(q) and not q.is_cuda:  # planning on fake CPU tensors (registry.plan_as_cuda): what CUDA would keep
+        if seg_start is not None:
+            document_causal_mask(seg_start, q_positions, k.shape[2])  # SDPA's boolean mask exists on CUDA too
+        out = _FusedAttentionSaves.apply(q, k, v)
+    elif selected_backend("causal_attention") == "flex":
         from lowerings.kernels.flex_attention import flex_causal_attention
 
         out = flex_causal_attention(q, k, v, scale=scale, seg_start=seg_start, q_positions=q_positions)
