@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from lowerings.autocast import matmul_dtype
 from lowerings.ops.linear_cross_entropy_reference import IGNORE_INDEX, linear_cross_entropy_reference
 from lowerings.ops.registry import all_of, cuda_available, module_available, on_cuda, op_backends, selected_backend
 
@@ -108,7 +109,7 @@ def linear_cross_entropy(
     if torch.is_autocast_enabled(hidden.device.type):
         # A custom op is not autocast-aware: cast both operands as autocast casts a matmul's (fp32 master weights
         # with bf16 compute), so the fused backends see one half-precision dtype.
-        dtype = torch.get_autocast_dtype(hidden.device.type)
+        dtype = matmul_dtype(hidden)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     grads = torch.is_grad_enabled()
     loss_sum, _, _ = linear_cross_entropy_op(

@@ -28,49 +28,46 @@ NOT_IN_HF_CONFIG = frozenset({"mla_norm_eps", "index_norm_eps", "max_seq_len"})
 _INDEXER_FIELDS = frozenset({"index_head_dim", "index_topk", "index_rope", "index_norm_eps"})
 
 
-def args_to_json(args: KimiK3ModelArgs) -> dict[str, Any]:
+def args_to_json(args: KimiK3ModelArgs | KimiK3VisionArgs) -> dict[str, Any]:
+    """The dataclass's fields as JSON values (tuples as lists)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(args).items()}
 
 
+def _write_args(path: Path, args: KimiK3ModelArgs | KimiK3VisionArgs) -> None:
+    path.write_text(json.dumps(args_to_json(args), indent=1, sort_keys=True) + "\n")
+
+
+def _read_args(path: Path, cls: type, what: str) -> Any:
+    """``cls(**fields)`` from the JSON file ``path``; None when there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        fields = json.loads(path.read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"unknown fields {unknown}")
+        return cls(**fields)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"{path}: not a readable {what} file ({err}); the checkpoint step is damaged") from None
+
+
 def write_model_args(folder: str | Path, args: KimiK3ModelArgs) -> None:
-    (Path(folder) / MODEL_ARGS_FILE).write_text(json.dumps(args_to_json(args), indent=1, sort_keys=True) + "\n")
+    _write_args(Path(folder) / MODEL_ARGS_FILE, args)
 
 
 def read_model_args(folder: str | Path) -> KimiK3ModelArgs | None:
     """The args saved with a checkpoint step; None for a step saved before they were recorded."""
-    path = Path(folder) / MODEL_ARGS_FILE
-    if not path.is_file():
-        return None
-    try:
-        fields = json.loads(path.read_text())
-        known = {f.name for f in dataclasses.fields(KimiK3ModelArgs)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"unknown fields {unknown}")
-        return KimiK3ModelArgs(**fields)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"{path}: not a readable model args file ({err}); the checkpoint step is damaged") from None
+    return _read_args(Path(folder) / MODEL_ARGS_FILE, KimiK3ModelArgs, "model args")
 
 
 def write_vision_args(folder: str | Path, vision: KimiK3VisionArgs) -> None:
-    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(vision).items()}
-    (Path(folder) / VISION_ARGS_FILE).write_text(json.dumps(fields, indent=1, sort_keys=True) + "\n")
+    _write_args(Path(folder) / VISION_ARGS_FILE, vision)
 
 
 def read_vision_args(folder: str | Path) -> KimiK3VisionArgs | None:
     """The tower args saved with an image-text checkpoint step; None for a text model (or an older save)."""
-    path = Path(folder) / VISION_ARGS_FILE
-    if not path.is_file():
-        return None
-    try:
-        fields = json.loads(path.read_text())
-        known = {f.name for f in dataclasses.fields(KimiK3VisionArgs)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"unknown fields {unknown}")
-        return KimiK3VisionArgs(**fields)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"{path}: not a readable vision args file ({err}); the checkpoint step is damaged") from None
+    return _read_args(Path(folder) / VISION_ARGS_FILE, KimiK3VisionArgs, "vision args")
 
 
 def args_differences(saved: KimiK3ModelArgs, current: KimiK3ModelArgs,

@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lowerings import ops
+from lowerings.autocast import matmul_dtype
 from titan_kimi.checkpoint.hf_keys import is_adapter_key
 from titan_kimi.models.kimi_k3.head import LMHead
 from titan_kimi.models.kimi_k3.init_specs import InitSpec
-from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul, expert_matmul_dtype
+from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul
 
 
 class _LoRAMixin:
@@ -103,7 +104,7 @@ class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
 
     def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
             num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        dtype = expert_matmul_dtype(x)  # as the base experts: autocast's dtype when it is on
+        dtype = matmul_dtype(x)  # as the base experts: autocast's dtype when it is on
         x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         # Under expert parallelism the factors are Shard(0) DTensors like the experts: use the local experts'.
         factors = [p.to_local() if isinstance(p, DTensor) else p

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from lowerings import ops
+from lowerings.autocast import matmul_dtype
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import init_linear
 from titan_kimi.models.kimi_k3.mlp import SituMLP
@@ -76,7 +77,7 @@ class GroupedExperts(nn.Module):
         # grouped_mm is not autocast-aware: do what autocast does for a matmul (both operands in its dtype), else
         # follow the activations' dtype (a no-op under FSDP mixed precision). fp32 activations under autocast
         # would otherwise send the compiled step to _masked_mm, E times the work.
-        dtype = expert_matmul_dtype(x)
+        dtype = matmul_dtype(x)
         x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
         h = expert_matmul(x, w13.transpose(-2, -1), offsets)
@@ -86,12 +87,6 @@ class GroupedExperts(nn.Module):
     def init_weights(self) -> None:
         nn.init.normal_(self.w13, mean=0.0, std=self.init_std)
         nn.init.normal_(self.w2, mean=0.0, std=self.init_std)
-
-
-def expert_matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
