@@ -426,7 +426,7 @@ class Trainer:
                 with self.profiler.around(self.step) as profiled:
                     metrics = self.train_step(data_iter)
                 self.metrics.log(metrics)
-                if self.profiler.wants(self.step):  # every rank profiles the step: all of them gather
+                if profiled:  # every rank profiled this step: all of them gather
                     self.metrics.log_profiles(self.step, gather_profiles(profiled[0]))
                 if not math.isfinite(metrics.loss):
                     raise NonFiniteGradientError(f"step {self.step}: the loss is {metrics.loss}")
