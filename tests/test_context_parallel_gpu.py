@@ -60,7 +60,7 @@ def test_fla_cp_context_kda_matches_the_one_rank_result(group, backends, layout)
     backward, and against the reference state passing on the same GPU."""
     inputs, doc, cot = _kda_inputs()
     B, T, H, K = inputs[0].shape
-    seq = build_sequence_info(B, T, torch.device("cuda"), doc)
+    seq = build_sequence_info(B, T, torch.device("cuda"), doc, pad_segments=False)  # as CP builds it
     kw = dict(scale=K ** -0.5, lower_bound=-5.0)
 
     def run(fn):

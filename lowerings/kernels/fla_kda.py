@@ -29,14 +29,19 @@ def prepare_fla_configs() -> str:
     return _fla_configs
 
 
-def _chunk_indices(cu_seqlens: torch.Tensor | None):
+def _varlen_chunks(cu_seqlens: torch.Tensor | None, total_tokens: int) -> dict:
+    """FLA's graph mode for packed rows: chunk indices built on the device with a static shape (one slot per
+    possible chunk, sentinel rows that the kernels skip), so no kernel reads ``cu_seqlens`` on the host. The op
+    then has no host sync and can be captured in a CUDA graph; zero-length tail segments (the padding of
+    ``titan_kimi.models.kimi_k3.sequence.segment_slots``) are allowed. Returns FLA keyword arguments."""
     if cu_seqlens is None:
-        return None, None
-    from fla.ops.utils.index import prepare_chunk_indices
+        return dict(cu_seqlens=None, chunk_indices=None)
+    from fla.ops.utils.index import prepare_chunk_indices_static
 
     cu = cu_seqlens.long()
-    cu_cpu = cu.cpu()  # one small host copy instead of FLA syncing inside several kernels
-    return cu, prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=cu_cpu)
+    max_chunks = -(-total_tokens // CHUNK) + cu.shape[0] - 2  # every segment may add one partial chunk
+    chunk_indices, chunk_offsets = prepare_chunk_indices_static(cu, CHUNK, max_chunks)
+    return dict(cu_seqlens=cu, chunk_indices=chunk_indices, chunk_offsets=chunk_offsets, use_graph=True)
 
 
 def _safe_gate(lower_bound):
@@ -66,11 +71,10 @@ def fla_kda_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seq
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     q_n, q_rstd = l2norm_fwd(q)
     k_n, k_rstd = l2norm_fwd(k)
-    cu, chunk_indices = _chunk_indices(cu_seqlens)
     o, final, _, Aqk, Akk, *_ = chunk_kda_fwd(
         q=q_n, k=k_n, v=v, g=g, beta=beta.float(), scale=scale,
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu,
-        chunk_indices=chunk_indices, chunk_size=CHUNK, safe_gate=_safe_gate(lower_bound), lower_bound=lower_bound,
+        initial_state=initial_state, output_final_state=output_final_state,
+        **_varlen_chunks(cu_seqlens, q.shape[1]), chunk_size=CHUNK, safe_gate=_safe_gate(lower_bound), lower_bound=lower_bound,
         use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, disable_recompute=False,
     )
     if final is None:
@@ -85,11 +89,10 @@ def fla_kda_backward(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 
     q_n, q_rstd, k_n, k_rstd, Aqk, Akk = residuals
-    cu, chunk_indices = _chunk_indices(cu_seqlens)
     dq, dk, dv, db, dg, dh0, dA, dbias = chunk_kda_bwd(
         q=q_n, k=k_n, v=v.contiguous(), beta=beta.float().contiguous(), Aqk=Aqk, Akk=Akk, scale=scale,
         initial_state=initial_state, do=d_o.contiguous(), dht=d_final if output_final_state else None,
-        g=None, g_org=g.contiguous(), cu_seqlens=cu, chunk_indices=chunk_indices, chunk_size=CHUNK,
+        g=None, g_org=g.contiguous(), **_varlen_chunks(cu_seqlens, q.shape[1]), chunk_size=CHUNK,
         safe_gate=_safe_gate(lower_bound), lower_bound=lower_bound, use_gate_in_kernel=True,
         A_log=A_log, dt_bias=dt_bias, disable_recompute=False,
     )

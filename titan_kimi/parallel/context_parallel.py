@@ -62,7 +62,8 @@ class ContextParallel:
             raise ValueError(
                 f"context parallelism over {self.world} ranks: doc_ids must cover the whole rows, [{batch}, "
                 f"{total}] for {seq_len} local tokens per row; got {tuple(doc_ids.shape)}")
-        whole = build_sequence_info(batch, total, device, doc_ids)
+        # FLA's context-parallel KDA takes the segments as they are (no zero-length tail)
+        whole = build_sequence_info(batch, total, device, doc_ids, pad_segments=False)
         pos = self.positions(total, device=device)
         seg_start = whole.seg_start[:, pos]
         rows = (torch.arange(batch, device=device, dtype=torch.int32) * total).unsqueeze(1)

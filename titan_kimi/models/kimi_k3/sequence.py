@@ -51,7 +51,8 @@ class SequenceInfo:
     flat_seg_start: torch.Tensor  # [B*S] int32: flat index of each token's segment start
     seg_start: torch.Tensor | None = None  # [B,S] int32 row-local segment start; None = one sequence per row
     pos_in_seg: torch.Tensor | None = None  # [B,S] int32 position inside the segment
-    cu_seqlens: torch.Tensor | None = None  # [N+1] int32 over the flattened tokens
+    # [N+1] int32 over the flattened tokens, padded with zero-length segments (see `segment_slots`)
+    cu_seqlens: torch.Tensor | None = None
     # Context parallelism (None without): global positions [B,S] of the local tokens and the exchange. Then
     # seg_start, pos_in_seg and flat_seg_start are global (flat over the whole rows), and so is cu_seqlens.
     positions: torch.Tensor | None = None
@@ -66,8 +67,25 @@ class SequenceInfo:
         return self.seg_start is not None
 
 
-def build_sequence_info(batch: int, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None) -> SequenceInfo:
-    """Segment metadata for a ``[batch, seq_len]`` batch; ``doc_ids`` None means one document per row."""
+MIN_SEGMENT_SLOTS = 64
+
+
+def segment_slots(num_segments: int) -> int:
+    """How many entries (less one) ``cu_seqlens`` gets for ``num_segments`` segments: the next power of two, at
+    least 64. The tail is zero-length segments. The count of documents changes from batch to batch; padded, the
+    shape takes a handful of values, so a CUDA graph recorded for one batch replays for the next, and KDA
+    kernels size their grids from shapes alone, never from values on the host."""
+    if num_segments < 1:
+        raise ValueError(f"num_segments = {num_segments}: a batch has at least one segment")
+    return max(MIN_SEGMENT_SLOTS, 1 << (num_segments - 1).bit_length())
+
+
+def build_sequence_info(batch: int, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None = None, *,
+                        pad_segments: bool = True) -> SequenceInfo:
+    """Segment metadata for a ``[batch, seq_len]`` batch; ``doc_ids`` None means one document per row.
+
+    ``pad_segments``: pad ``cu_seqlens`` with zero-length segments to `segment_slots` entries (its last value
+    repeated); off, it has exactly one entry per segment plus one."""
     pos = torch.arange(seq_len, device=device, dtype=torch.int32)
     row_offset = (torch.arange(batch, device=device, dtype=torch.int32) * seq_len).unsqueeze(1)
     if doc_ids is None:
@@ -80,7 +98,9 @@ def build_sequence_info(batch: int, seq_len: int, device: torch.device, doc_ids:
     starts = torch.where(is_start, pos.expand(batch, seq_len), torch.zeros_like(pos))
     seg_start = torch.cummax(starts, dim=1).values.to(torch.int32)
     flat_starts = (is_start.reshape(-1)).nonzero().squeeze(1).to(torch.int32)
-    cu_seqlens = torch.cat([flat_starts, flat_starts.new_tensor([batch * seq_len])])
+    total = batch * seq_len
+    tail = segment_slots(flat_starts.shape[0]) - flat_starts.shape[0] + 1 if pad_segments else 1
+    cu_seqlens = torch.cat([flat_starts, flat_starts.new_full((tail,), total)])
     # The document count changes from batch to batch: compiled blocks treat its length as dynamic up front
     # instead of recompiling every block once when it first changes.
     torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
