@@ -111,7 +111,10 @@ def clip_gradients(named_params: list[tuple[str, torch.nn.Parameter]], max_norm:
     # Non-finite: scale by 1, leaving the gradients as they were for the report (the step is skipped).
     coef = torch.where(finite, (max_norm / (norm + 1e-6)).clamp(max=1.0), torch.ones_like(norm))
     for group in _by_device_dtype([_local(g) for g in grads]):
-        torch._foreach_mul_(group, coef.to(group[0].device))
+        # The coefficient in the gradients' dtype: a 0-dim tensor of another dtype sends _foreach_mul_ down its
+        # per-tensor slow path (measured: 349 separate bf16 mul_ kernels, 14 ms for k3_small). bf16 rounds the
+        # coefficient by <= 0.4%, the same for every gradient.
+        torch._foreach_mul_(group, coef.to(device=group[0].device, dtype=group[0].dtype))
     value = float(norm)
     if not math.isfinite(value):
         return ClipResult(value, False, nonfinite_report(named_params))
