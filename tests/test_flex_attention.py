@@ -144,6 +144,30 @@ def test_fullgraph_compile_does_not_recompile_when_the_document_count_changes(fl
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+@pytest.mark.parametrize("rows, dynamic, takes_flex", [(100, True, False), (100, False, False), (128, False, True),
+                                                     (256, True, True)])
+def test_unaligned_rows_take_sdpa_under_compile(flex_backend, monkeypatch, rows, dynamic, takes_flex):
+    """Inductor's flex lowering fails on symbolic row lengths that are not multiples of 128 (torch 2.11 on the
+    H200), and a traced model cannot tell a symbolic length from a static one: under a compile unaligned rows
+    take sdpa (still exact), aligned ones flex."""
+    import lowerings.kernels.flex_attention as flex_module
+
+    calls = []
+    real = flex_module.flex_causal_attention
+    monkeypatch.setattr(flex_module, "flex_causal_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def attend(q, k, v, seg_start):
+        return causal_attention(q, k, v, scale=0.125, seg_start=seg_start)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    seg_start = _seg_start([[rows - 40, 40]])
+    q, k, v = _inputs(1, rows, rows)
+    out = compiled(q, k, v, seg_start)
+    assert _rel(out, _reference(q, k, v, 0.125, seg_start, None)) < 1e-5
+    assert bool(calls) == takes_flex
+
+
 def test_unknown_backend_names_it_and_the_valid_ones():
     with pytest.raises(ValueError, match=r"kernels.causal_attention = 'flash' is not a backend of causal_attention; "
                                          r"valid: \['auto', 'sdpa', 'flex'\]"):
@@ -158,10 +182,18 @@ def test_config_key_refuses_an_unknown_backend_naming_the_valid_ones():
     assert load_job_config(["--kernels.causal_attention", "flex"], environ={}).kernels.causal_attention == "flex"
 
 
-def test_auto_keeps_sdpa():
+def test_auto_takes_flex_on_cuda_only(monkeypatch):
+    """flex runs on CPU when named (torch's math reference), but auto takes it only where CUDA is: there it was
+    measured faster on packed documents (docs/perf.md)."""
+    import lowerings.ops.registry as registry
+
     backends = op_backends("causal_attention")
     saved = backends.selected
     try:
+        monkeypatch.setitem(backends.auto_checks, "flex", lambda: "no CUDA device")
         assert configure_backends({"causal_attention": "auto"}) == {"causal_attention": "sdpa"}
+        assert configure_backends({"causal_attention": "flex"}) == {"causal_attention": "flex"}
+        monkeypatch.setitem(backends.auto_checks, "flex", registry.always_available)
+        assert configure_backends({"causal_attention": "auto"}) == {"causal_attention": "flex"}
     finally:
         backends.selected = saved

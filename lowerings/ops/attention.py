@@ -4,7 +4,11 @@ Backends (``kernels.causal_attention``): ``sdpa``, plain ``scaled_dot_product_at
 ``[B,1,Sq,Sk]`` mask (compile-friendly, picks flash / cuDNN / efficient kernels on GPU, but computes the whole
 square when documents are packed), and ``flex``, FlexAttention with a block-sparse document-causal BlockMask
 (``lowerings.kernels.flex_attention``), which skips the key blocks outside each query block's documents.
-``auto`` keeps ``sdpa`` until ``flex`` has been measured on the H200 (scripts/bench_causal_attention.py).
+Plain causal rows (no segments) take SDPA's ``is_causal`` kernel under either backend: on the H200 it runs an
+8,192-token row in 2.68 ms against flex's 7.80 (16 heads; scripts/bench_causal_attention.py). ``auto`` is
+``flex`` on CUDA (packed documents: 1.50 against 11.18 ms at 100-token documents, 4.41 against 11.24 at 4,000;
+the k3_small bf16 step 0.2167 s against 0.2549 s, docs/perf.md) and ``sdpa`` elsewhere (flex on CPU is torch's
+math reference).
 Not a custom op: both backends trace into the compiled graph as they are.
 """
 
@@ -13,10 +17,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowerings.ops.registry import on_cuda, op_backends, selected_backend
+from lowerings.ops.registry import cuda_available, on_cuda, op_backends, selected_backend
 
 BACKENDS = op_backends("causal_attention")
-BACKENDS.add("flex")  # runs anywhere (CPU: torch's math reference of the mask); not in auto's order yet
+# flex runs anywhere (CPU: torch's math reference of the mask, slow), but auto takes it on CUDA only
+BACKENDS.add("flex", auto_rank=0, auto_check=cuda_available)
+
+
+FLEX_BLOCK = 128
+
+
+def _flex_takes(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the flex backend takes this call. Under a compile, rows that are not a multiple of flex's 128-token
+    blocks take sdpa (exact too): when the compile traces a length as a symbol (dynamic shapes, after the row
+    length changed between calls), Inductor's flex lowering fails on unaligned lengths (torch 2.11, H200:
+    ``CantSplit``), and inside a traced model a symbolic length cannot be told from a static one. Training rows
+    (8,192 tokens) are aligned; outside a compile flex takes every length."""
+    if not torch.compiler.is_compiling():
+        return True
+    return q.shape[2] % FLEX_BLOCK == 0 and k.shape[2] % FLEX_BLOCK == 0
 
 
 def document_causal_mask(
@@ -75,7 +94,7 @@ def causal_attention(
         if seg_start is not None:
             document_causal_mask(seg_start, q_positions, k.shape[2])  # SDPA's boolean mask exists on CUDA too
         out = _FusedAttentionSaves.apply(q, k, v)
-    elif selected_backend("causal_attention") == "flex":
+    elif selected_backend("causal_attention") == "flex" and seg_start is not None and _flex_takes(q, k):
         from lowerings.kernels.flex_attention import flex_causal_attention
 
         out = flex_causal_attention(q, k, v, scale=scale, seg_start=seg_start, q_positions=q_positions)

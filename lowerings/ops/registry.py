@@ -36,15 +36,21 @@ class OpBackends:
     checks: dict[str, AvailabilityCheck] = field(default_factory=dict)
     auto_order: list[str] = field(default_factory=list)
     selected: str = ""
+    auto_checks: dict[str, AvailabilityCheck] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.selected = self.selected or BACKEND_OPS[self.op].reference
 
-    def add(self, name: str, check: AvailabilityCheck = always_available, *, auto_rank: int | None = None) -> None:
+    def add(self, name: str, check: AvailabilityCheck = always_available, *, auto_rank: int | None = None,
+            auto_check: AvailabilityCheck | None = None) -> None:
+        """``check``: whether the backend can run here; ``auto_check``: a further condition for ``auto`` to take
+        it (a backend that runs anywhere but is only the fastest on some devices)."""
         if name not in BACKEND_OPS[self.op].backends:  # the catalog is the one list the config is built from
             raise ValueError(f"backend {name!r} of op {self.op!r} is not listed in lowerings/catalog.py; "
                              f"listed: {list(BACKEND_OPS[self.op].backends)}")
         self.checks[name] = check
+        if auto_check is not None:
+            self.auto_checks[name] = auto_check
         if auto_rank is not None:
             self.auto_order.insert(min(auto_rank, len(self.auto_order)), name)
 
@@ -52,7 +58,7 @@ class OpBackends:
         """The first available backend of the preference order, and why each one before it was skipped."""
         skipped = {}
         for candidate in self.auto_order:
-            reason = self.checks[candidate]()
+            reason = self.checks[candidate]() or self.auto_checks.get(candidate, always_available)()
             if reason is None:
                 return candidate, skipped
             skipped[candidate] = reason
