@@ -4,18 +4,26 @@
 #   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
-#   weights, + profile), after (the bf16 setting eager vs reduce-overhead, and the fp32 one as before, + profiles), recipes (the shipped
+#   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), flex_tests
 #   (kernels.causal_attention = flex against fp32 SDPA at k3_small's MLA shape), flex_ops (sdpa vs flex per-op
-#   benchmark, and the k3_small bf16 step under reduce-overhead with flex; compare with after_bf16's)
+#   benchmark), before_bf16 / after_bf16 / flex_step (the k3_small bf16 step under reduce-overhead: .before tree,
+#   this tree, this tree with kernels.causal_attention = flex; + profiles), cudnn_kda (kernels.kda = cudnn, cuDNN-FE
+#   1.32's Hopper engine: GPU tests against the reference and fla, then scripts/bench_kda.py, fla vs cudnn)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 OUT=${OUT:-/tmp/gpu_measure_speed}
 mkdir -p "$OUT"
 if [ -d .whl ]; then  # the GPU machine has no network: wheels travel with the tree
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  # CUDA header wheels (for cuDNN-FE's NVRTC kernels) go outside PYTHONPATH, so torch keeps loading its own
+  # CUDA runtime; the cuDNN frontend finds the headers through CUDAToolkit_ROOT.
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+    $(ls .whl/*.whl | grep -v '/nvidia_cuda_')
+  ls .whl/nvidia_cuda_*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --upgrade --target /tmp/cuda_headers .whl/nvidia_cuda_*.whl
 fi
+[ -d /tmp/cuda_headers/nvidia/cu13 ] && export CUDAToolkit_ROOT=/tmp/cuda_headers/nvidia/cu13
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'cuda', torch.version.cuda)"
@@ -64,6 +72,15 @@ if want tests; then
     > "$OUT/pytest_gpu.log" 2>&1
   step pytest $?; tail -4 "$OUT/pytest_gpu.log"
 fi
+if want kda_tests; then  # the fla KDA backend: reference parity, compiled, and CUDA-graph replay across layouts
+  timeout -s INT -k 20 150 python3 -m pytest -m gpu tests/test_kda_gpu.py -q -rs -rf > "$OUT/pytest_kda_gpu.log" 2>&1
+  step pytest_kda $?; tail -4 "$OUT/pytest_kda_gpu.log"
+fi
+if want kda_graph_test; then  # only the CUDA-graph replay of the fla KDA op across document layouts
+  timeout -s INT -k 20 200 python3 -m pytest -m gpu tests/test_kda_gpu.py -q -rs -rf -k cuda_graph \
+    > "$OUT/pytest_kda_graph_gpu.log" 2>&1
+  step pytest_kda_graph $?; tail -4 "$OUT/pytest_kda_graph_gpu.log"
+fi
 if want ops; then
   [ -f scripts/bench_linear_cross_entropy.py ] && { timeout 200 python3 scripts/bench_linear_cross_entropy.py \
     --out "$OUT/bench_linear_cross_entropy.json" > "$OUT/bench_linear_cross_entropy.md" 2>&1
@@ -82,20 +99,46 @@ if want flex_tests; then
   step pytest_flex $?; tail -4 "$OUT/pytest_flex_gpu.log"
 fi
 if want flex_ops; then
-  timeout 150 python3 scripts/bench_causal_attention.py --out "$OUT/bench_causal_attention.json" \
+  timeout 130 python3 scripts/bench_causal_attention.py --out "$OUT/bench_causal_attention.json" \
     > "$OUT/bench_causal_attention.md" 2>&1
   step bench_causal_attention $?; tail -12 "$OUT/bench_causal_attention.md"
-  ablate . flex_bf16 reduce-overhead -- "${BF16[@]}" --kernels.causal_attention flex
 fi
 if want before; then
   ablate .before before_fp32 default
 fi
+if want before_bf16; then  # the shipped setting (bf16 weights + moments, reduce-overhead) on the .before tree
+  ablate .before before_bf16 reduce-overhead -- "${BF16[@]}"
+fi
+if want after_bf16; then
+  ablate . after_bf16 reduce-overhead -- "${BF16[@]}"
+fi
+if want flex_step; then  # the same with kernels.causal_attention = flex
+  ablate . flex_bf16 reduce-overhead -- "${BF16[@]}" --kernels.causal_attention flex
+fi
 if want after; then
-  ablate . after_bf16 none,reduce-overhead -- "${BF16[@]}"
+  ablate . after_bf16_eager none -- "${BF16[@]}"
   ablate . after_fp32 default -- "${FP32[@]}"
 fi
 if want recipes; then
   recipe train_configs/k3_small.toml k3_small_recipe
   recipe train_configs/k31_small.toml k31_small_recipe
+fi
+if want cudnn_kda || want par_tests; then
+  export CUDNN_FRONTEND_CAKE_CACHE_DIR=${CUDNN_FRONTEND_CAKE_CACHE_DIR:-/tmp/cudnn_cake_cache}  # NVRTC cubins
+  python3 -c "from lowerings.ops.kda import BACKENDS; print('kernels.kda = cudnn:', BACKENDS.checks['cudnn']() or 'available')" \
+    > "$OUT/cudnn_kda_available.txt" 2>&1; cat "$OUT/cudnn_kda_available.txt"
+fi
+if want par_tests; then  # GPU test files side by side (compile-bound: the CPU cores do most of the work)
+  for t in kda_gpu kda_cudnn_gpu flex_attention_gpu; do
+    timeout -s INT -k 20 260 python3 -m pytest -m gpu tests/test_$t.py -q -rs -rf > "$OUT/pytest_$t.log" 2>&1 &
+  done
+  wait; step par_tests 0
+  for t in kda_gpu kda_cudnn_gpu flex_attention_gpu; do echo "== $t"; tail -4 "$OUT/pytest_$t.log"; done
+fi
+if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fla, compiled, graph replay; then speed
+  want par_tests || { timeout -s INT -k 20 240 python3 -m pytest -m gpu tests/test_kda_cudnn_gpu.py -q -rs -rf \
+    > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
+  timeout 170 python3 scripts/bench_kda.py --out "$OUT/bench_kda.json" > "$OUT/bench_kda.md" 2>&1
+  step bench_kda $?; tail -24 "$OUT/bench_kda.md"
 fi
 step done 0
