@@ -14,7 +14,6 @@ compiles: one per head count and mask kind).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import sys
 import time
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowerings.kernels.flex_attention import document_causal_block_mask  # noqa: E402
 from lowerings.ops import causal_attention, configure_backends  # noqa: E402
-from cuda_timing import median_cuda_ms, rel_err  # noqa: E402  (scripts/ is sys.path[0])
+from cuda_timing import median_cuda_ms, package_versions, rel_err  # noqa: E402  (scripts/ is sys.path[0])
 
 DQK, DV = 192, 128
 DOCS = {"100": 100, "1000": 1000, "4000": 4000, "one": None}
@@ -114,12 +113,7 @@ def main() -> None:
               f"{r['blocks_computed']:.1%} | {r['mask_build_ms']:.3f} | {r['flex_rel_err_vs_sdpa']:.1e} | "
               f"{r['flex_first_call_s']:.1f} |")
     if args.out:
-        versions = {}
-        for p in ("torch", "triton"):
-            try:
-                versions[p] = importlib.metadata.version(p)
-            except importlib.metadata.PackageNotFoundError:
-                versions[p] = None
+        versions = package_versions(("torch", "triton"))
         meta = {"device": torch.cuda.get_device_name(), "versions": versions, "qk_dim": DQK, "v_dim": DV,
                 "dtype": "bfloat16", "warmup": args.warmup, "repeats": args.repeats}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -17,7 +17,6 @@ GPU finishes first), cuDNN's own layer alone included. Prints markdown tables; `
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lowerings.ops import kda  # noqa: E402
 from lowerings.ops.kda import BACKENDS as KDA_BACKENDS  # noqa: E402
 from lowerings.ops.registry import configure_backends  # noqa: E402
-from cuda_timing import median_cuda_ms, rel_err  # noqa: E402  (scripts/ is sys.path[0])
+from cuda_timing import median_cuda_ms, package_versions, rel_err  # noqa: E402  (scripts/ is sys.path[0])
 
 D = 128
 SHAPES = {"check": (2048, 16), "k3_small": (8192, 16), "k3": (8192, 96)}  # tokens, heads
@@ -141,16 +140,6 @@ def host_overhead(backends: list[str], repeats: int = 200) -> dict[str, float]:
     return out
 
 
-def _versions() -> dict:
-    versions = {}
-    for p in PACKAGES:
-        try:
-            versions[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            versions[p] = None
-    return versions
-
-
 def _errors(outputs, against) -> dict:
     return {f"rel_err_{n}": rel_err(a, b) for n, a, b in zip(("o", *GRADS), outputs, against)}
 
@@ -173,7 +162,7 @@ def main() -> None:
     unavailable = {b: r for b in ("fla", "cudnn") if (r := KDA_BACKENDS.checks[b]()) is not None}
     backends = ["reference"] + [b for b in ("fla", "cudnn") if b not in unavailable]
     auto = configure_backends({"kda": "auto"})["kda"]
-    report = {"device": torch.cuda.get_device_name(), "versions": _versions(), "auto": auto,
+    report = {"device": torch.cuda.get_device_name(), "versions": package_versions(PACKAGES), "auto": auto,
               "unavailable": unavailable, "rows": [], "host_us": {}}
     print(f"device: {report['device']}; versions: {report['versions']}", flush=True)
     print(f"auto picks: {auto}; unavailable: {unavailable or 'none'}", flush=True)

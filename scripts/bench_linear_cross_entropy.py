@@ -11,7 +11,6 @@ Prints a markdown table; ``--out`` writes the same as JSON.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import sys
@@ -23,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowerings import ops  # noqa: E402
 from lowerings.ops.registry import configure_backends  # noqa: E402
-from cuda_timing import median_cuda_ms, rel_err  # noqa: E402  (scripts/ is sys.path[0])
+from cuda_timing import median_cuda_ms, package_versions, rel_err  # noqa: E402  (scripts/ is sys.path[0])
 
 BACKENDS = {"reference": None, "liger": "liger_kernel"}
 SHAPES = {"k3_small": (8192, 2048, 163840), "k3": (8192, 7168, 163840)}  # tokens, hidden, vocab
@@ -83,12 +82,7 @@ def main() -> None:
 
     available = [b for b, m in BACKENDS.items() if m is None or importlib.util.find_spec(m) is not None]
     auto = configure_backends({"linear_cross_entropy": "auto"})["linear_cross_entropy"]
-    versions = {}
-    for p in PACKAGES:
-        try:
-            versions[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            versions[p] = None
+    versions = package_versions(PACKAGES)
     rows = []
     for shape in args.shapes:
         tokens, hidden, vocab = SHAPES[shape]

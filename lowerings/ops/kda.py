@@ -72,9 +72,9 @@ def _reference_backward(
 
 # Outside CUDA graphs: the fla backend runs FLA's graph mode (chunk indices built on the device, no host sync:
 # lowerings/kernels/fla_kda.py), and a captured forward + backward replays across document layouts
-# (tests/test_kda_gpu.py), but under reduce-overhead from a cold process cudagraph trees' warm-up run finds 12
-# tensors left in its pool (one per KDA layer of k3_small; measured on the H200 with torch 2.11), so Inductor's
-# graph partitioning runs these ops between the graphs.
+# (tests/test_kda_gpu.py), but captured under reduce-overhead (the k3_small recipe, empty caches, torch 2.11 on
+# the H200) cudagraph trees' warm-up run finds 12 tensors left in its pool, one per KDA layer; until that is
+# understood, Inductor's graph partitioning runs these ops between the graphs.
 _OUTSIDE_CUDA_GRAPHS = (torch._C.Tag.cudagraph_unsafe,)
 
 
