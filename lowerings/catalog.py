@@ -26,10 +26,9 @@ BACKEND_OPS: dict[str, OpEntry] = {
     "linear_cross_entropy": OpEntry(
         "lm_head + cross-entropy backend",
         ("reference", "liger")),
-    # auto = sdpa until flex has been measured on the H200 (scripts/bench_causal_attention.py, docs/ops.md).
     "causal_attention": OpEntry(
         "dense (document-)causal attention of the gated MLA layers: sdpa = SDPA with a dense boolean mask; flex = "
-        "FlexAttention with a block-sparse document-causal BlockMask (compiled; not yet measured on a GPU, so auto "
-        "picks sdpa)",
+        "FlexAttention with a block-sparse document-causal BlockMask for packed documents (plain causal rows take "
+        "SDPA's causal kernel under both); auto = flex on CUDA (measured faster on the H200), sdpa elsewhere",
         ("sdpa", "flex"), reference="sdpa"),
 }
