@@ -8,8 +8,10 @@
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), flex_tests
 #   (kernels.causal_attention = flex against fp32 SDPA at k3_small's MLA shape), flex_ops (sdpa vs flex per-op
 #   benchmark), before_bf16 / after_bf16 / flex_step (the k3_small bf16 step under reduce-overhead: .before tree,
-#   this tree, this tree with kernels.causal_attention = flex; + profiles), cudnn_kda (kernels.kda = cudnn, cuDNN-FE
-#   1.32's Hopper engine: GPU tests against the reference and fla, then scripts/bench_kda.py, fla vs cudnn)
+#   this tree, this tree with kernels.causal_attention = flex; + profiles), kda_tests / kda_graph_test (the fla KDA
+#   op's GPU tests / only its CUDA-graph replay), kda_capture (scripts/repro_kda_cudagraph_capture.py), par_tests
+#   (GPU test files side by side), cudnn_kda (kernels.kda = cudnn, cuDNN-FE 1.32's Hopper engine: its GPU tests
+#   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -81,6 +83,11 @@ if want kda_graph_test; then  # only the CUDA-graph replay of the fla KDA op acr
     > "$OUT/pytest_kda_graph_gpu.log" 2>&1
   step pytest_kda_graph $?; tail -4 "$OUT/pytest_kda_graph_gpu.log"
 fi
+if want kda_capture; then  # diagnostic: an untagged copy of the fla KDA op captured under reduce-overhead
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_kda_capture timeout 200 python3 scripts/repro_kda_cudagraph_capture.py \
+    > "$OUT/repro_kda_cudagraph_capture.log" 2>&1
+  step kda_capture $?; tail -30 "$OUT/repro_kda_cudagraph_capture.log"
+fi
 if want ops; then
   [ -f scripts/bench_linear_cross_entropy.py ] && { timeout 200 python3 scripts/bench_linear_cross_entropy.py \
     --out "$OUT/bench_linear_cross_entropy.json" > "$OUT/bench_linear_cross_entropy.md" 2>&1
@@ -138,7 +145,8 @@ fi
 if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fla, compiled, graph replay; then speed
   want par_tests || { timeout -s INT -k 20 240 python3 -m pytest -m gpu tests/test_kda_cudnn_gpu.py -q -rs -rf \
     > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
-  timeout 170 python3 scripts/bench_kda.py --out "$OUT/bench_kda.json" > "$OUT/bench_kda.md" 2>&1
+  timeout 170 python3 scripts/bench_kda.py --shapes k3_small k3 --layouts docs_padded one_doc_padded \
+    --out "$OUT/bench_kda.json" > "$OUT/bench_kda.md" 2>&1
   step bench_kda $?; tail -24 "$OUT/bench_kda.md"
 fi
 step done 0
