@@ -263,3 +263,13 @@ def test_cudnn_is_refused_until_its_gradients_pass_on_the_gpu(monkeypatch):
     assert "2.9e-2" in cudnn_kda.unavailable_reason() and "use kda = fla" in cudnn_kda.unavailable_reason()
     monkeypatch.setattr(cudnn_kda, "NUMERICS_VALIDATED", True)
     assert cudnn_kda.unavailable_reason() is None
+
+
+def test_context_parallelism_refuses_the_cudnn_kda_backend():
+    """The cudnn backend has no context-parallel path: the config says so before training instead of CP falling
+    back to the fp32 reference."""
+    from titan_kimi.config import ConfigError, load_job_config
+
+    with pytest.raises(ConfigError, match=r'kernels.kda = "cudnn".*no context-parallel path.*valid: fla'):
+        load_job_config(["--parallelism.context_parallel_degree", "2", "--kernels.kda", "cudnn"], environ={})
+    assert load_job_config(["--parallelism.context_parallel_degree", "2"], environ={}).kernels.kda == "auto"

@@ -116,6 +116,16 @@ def batch_shapes_divide(cfg: JobConfig, source_of: SourceOf) -> None:
         _experts_fit(cfg, p.data_parallel_shard_degree, source_of)
 
 
+def context_parallel_kda_has_a_backend(cfg: JobConfig, source_of: SourceOf) -> None:
+    """KDA under context parallelism runs FLA's cp_context (fla) or the reference state passing; the cudnn
+    backend has no context-parallel path, and falling back to the fp32 reference in silence would hide it."""
+    if cfg.parallelism.context_parallel_degree > 1 and cfg.kernels.kda == "cudnn":
+        raise _reject(cfg, "kernels.kda", source_of,
+                      "has no context-parallel path (with "
+                      + _other(cfg, "parallelism.context_parallel_degree", source_of) + ")",
+                      "fla (FLA's cp_context), auto, or reference")
+
+
 def mixed_precision_only_lowers(cfg: JobConfig, source_of: SourceOf) -> None:
     t = cfg.training
     if t.mixed_precision and _WIDTH[t.param_dtype] > _WIDTH[cfg.model.dtype]:
@@ -260,6 +270,7 @@ RULES: tuple[Rule, ...] = (
     selective_ac_option_is_known,
     compile_has_components,
     batch_shapes_divide,
+    context_parallel_kda_has_a_backend,
     mixed_precision_only_lowers,
     hf_save_is_model_only,
     profiling_steps_are_in_the_run,
