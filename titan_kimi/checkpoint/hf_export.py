@@ -146,12 +146,18 @@ def export_hf_checkpoint(
     if fp32_params_dtype is not None:
         dtype_name(fp32_params_dtype)
     state = owned_state(model) if tensors is None else tensors
+    distributed = dist.is_available() and dist.is_initialized()
     with HFShardWriter(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
                        enabled=global_rank() == 0) as writer:
+        if distributed:
+            # Every rank checks the target as it opens its writer; without this barrier rank 0 could commit a
+            # small, ungathered export before a slower rank checks, and that rank would then find the target
+            # "already exists" (seen in the 4-rank parity test).
+            dist.barrier()
         write_state(model, state, writer, dtype=dtype, fp32_params_dtype=fp32_params_dtype,
                     mxfp4_experts=mxfp4_experts, progress=progress)
         out = writer.commit({"config.json": export_config(model, dtype=dtype, base_config=base_config,
                                                           mxfp4_experts=mxfp4_experts)})
-    if dist.is_available() and dist.is_initialized():
+    if distributed:
         dist.barrier()
     return out
