@@ -10,7 +10,8 @@
 #   benchmark), before_bf16 / after_bf16 / flex_step (the k3_small bf16 step under reduce-overhead: .before tree,
 #   this tree, this tree with kernels.causal_attention = flex; + profiles), kda_tests / kda_graph_test (the fla KDA
 #   op's GPU tests / only its CUDA-graph replay), kda_capture (scripts/repro_kda_cudagraph_capture.py), par_tests
-#   (GPU test files side by side), cudnn_kda (kernels.kda = cudnn, cuDNN-FE 1.32's Hopper engine: its GPU tests
+#   (GPU test files side by side), spread (two eager bf16 runs and the reduce-overhead one, loss curves compared
+#   pairwise by scripts/compare_loss_curves.py), cudnn_kda (kernels.kda = cudnn, cuDNN-FE 1.32's Hopper engine: its GPU tests
 #   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn)
 set -u
 PARTS=${PARTS:-tests ops}
@@ -121,6 +122,14 @@ if want after_bf16; then
 fi
 if want flex_step; then  # the same with kernels.causal_attention = flex
   ablate . flex_bf16 reduce-overhead -- "${BF16[@]}" --kernels.causal_attention flex
+fi
+if want spread; then  # bf16 weights' run-to-run spread: two eager runs, then the shipped mode, compared pairwise
+  ablate . eager_bf16_a none -- "${BF16[@]}"
+  ablate . eager_bf16_b none -- "${BF16[@]}"
+  [ -f "$OUT/flex_bf16/results.json" ] || ablate . flex_bf16 reduce-overhead -- "${BF16[@]}"
+  python3 scripts/compare_loss_curves.py "$OUT"/{eager_bf16_a,eager_bf16_b,flex_bf16}/results.json \
+    --out "$OUT/loss_spread.json" > "$OUT/loss_spread.md" 2>&1
+  step spread $?; cat "$OUT/loss_spread.md"
 fi
 if want after; then
   ablate . after_bf16_eager none -- "${BF16[@]}"
