@@ -10,22 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
-
-def timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from cuda_timing import median_cuda_ms  # scripts/ is sys.path[0]
 
 
 def main() -> int:
@@ -69,7 +58,7 @@ def main() -> int:
     torch.cuda.synchronize()
     rows = {}
     for name, fn in (("fla_direct", direct), ("titan_kimi_op", ours), ("fla_direct_again", direct)):
-        rows[name] = timed(fn, opts.reps)
+        rows[name] = median_cuda_ms(fn, warmup=0, repeats=opts.reps)
     base = min(rows["fla_direct"], rows["fla_direct_again"])
     overhead = rows["titan_kimi_op"] / base - 1
     print(f"| path | fwd+bwd ms (median of {opts.reps}) |\n|---|---|")

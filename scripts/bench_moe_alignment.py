@@ -8,11 +8,11 @@ Prints the median of ``--reps`` timed repetitions (CUDA events) and the peak mem
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
+from cuda_timing import median_cuda_ms  # scripts/ is sys.path[0]
 from titan_kimi.models.kimi_k3 import model_args_for
 from titan_kimi.models.kimi_k3.moe import GroupedExperts, _aligned_for_grouped_mm
 
@@ -34,15 +34,8 @@ def measure(path, experts, x, counts, cot, reps: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        once()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = median_cuda_ms(once, warmup=0, repeats=reps)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def main() -> int:

@@ -53,3 +53,15 @@ def shipped_reference(tmp_path_factory):
         return curves[name]
 
     return get
+
+
+@pytest.fixture
+def flex_backend():
+    """kernels.causal_attention = flex for one test, then the selection it had."""
+    from lowerings.ops import configure_backends, op_backends
+
+    backends = op_backends("causal_attention")
+    saved = backends.selected
+    configure_backends({"causal_attention": "flex"})
+    yield
+    backends.selected = saved

@@ -10,15 +10,6 @@ from lowerings.ops import causal_attention, configure_backends, document_causal_
 from lowerings.kernels.flex_attention import document_causal_block_mask, flex_causal_attention
 
 
-@pytest.fixture
-def flex_backend():
-    backends = op_backends("causal_attention")
-    saved = backends.selected
-    configure_backends({"causal_attention": "flex"})
-    yield
-    backends.selected = saved
-
-
 def _seg_start(doc_lengths: list[list[int]]) -> torch.Tensor:
     rows = []
     for lengths in doc_lengths:

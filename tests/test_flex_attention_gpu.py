@@ -13,21 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowerings.ops import causal_attention, configure_backends, document_causal_mask, op_backends
+from lowerings.ops import causal_attention, document_causal_mask
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 S, H, DQK, DV = 8192, 16, 192, 128
 TOL = 1e-2
-
-
-@pytest.fixture
-def flex_backend():
-    backends = op_backends("causal_attention")
-    saved = backends.selected
-    configure_backends({"causal_attention": "flex"})
-    yield
-    backends.selected = saved
 
 
 def seg_start_of(mean_len: int | None, seq: int = S, seed: int = 0) -> torch.Tensor | None:

@@ -13,6 +13,13 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def k3_kda_inputs(B, T, H, K):
+    """q, k, v, u (bf16 normal), beta, A_log, dt_bias of the K3 gate on the GPU; and the bf16 maker for more."""
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)
+    return mk, [mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, K), torch.rand(B, T, H, device="cuda"),
+                torch.empty(H, device="cuda").uniform_(1, 16).log(), torch.randn(H * K, device="cuda") * 0.1]
+
+
 @pytest.fixture
 def backend():
     yield configure_backends
@@ -24,13 +31,8 @@ def test_fla_kda_matches_reference(backend, varlen):
     torch.manual_seed(0)
     B, T, H, K = (1, 1024, 8, 128) if varlen else (2, 512, 8, 128)
     dev = "cuda"
-    mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)
-    q, k, v, u = mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, K)
-    beta = torch.rand(B, T, H, device=dev)
-    A_log = torch.empty(H, device=dev).uniform_(1, 16).log()
-    dt_bias = torch.randn(H * K, device=dev) * 0.1
+    _, inputs = k3_kda_inputs(B, T, H, K)
     cu = torch.tensor([0, 100, 101, 640, T], device=dev, dtype=torch.int32) if varlen else None
-    inputs = [q, k, v, u, beta, A_log, dt_bias]
     cot = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
     results = {}
     for name in ("reference", "fla"):
@@ -52,9 +54,7 @@ def test_fla_kda_under_inductor_matches_eager(backend):
     backend({"kda": "fla"})
     B, T, H, K = 1, 512, 4, 128
     dev = "cuda"
-    mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)
-    inputs = [mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, K), torch.rand(B, T, H, device=dev),
-              torch.empty(H, device=dev).uniform_(1, 16).log(), torch.randn(H * K, device=dev) * 0.1]
+    mk, inputs = k3_kda_inputs(B, T, H, K)
     cu = torch.tensor([0, 200, T], device=dev, dtype=torch.int32)
     cot = mk(B, T, H, K)
 
@@ -81,9 +81,7 @@ def test_fla_kda_replays_in_a_cuda_graph_across_document_layouts(backend):
     backend({"kda": "fla"})
     B, T, H, K = 1, 2048, 4, 128
     dev = "cuda"
-    mk = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)
-    inputs = [mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, K), mk(B, T, H, K), torch.rand(B, T, H, device=dev),
-              torch.empty(H, device=dev).uniform_(1, 16).log(), torch.randn(H * K, device=dev) * 0.1]
+    mk, inputs = k3_kda_inputs(B, T, H, K)
     cot = mk(B, T, H, K)
     layouts = [[0, 100, 101, 640, T], [0, 2000, T], [0, 64, 128, 129, 1000, 1500, 1501, T]]
     slots = 16
