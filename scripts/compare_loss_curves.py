@@ -1,4 +1,5 @@
-"""Pairwise loss-curve differences between runs of scripts/ablate_compile.py (one results.json per run).
+"""Pairwise loss-curve differences between runs of scripts/ablate_compile.py (one results.json per run) or of the
+trainer itself (its metrics.jsonl).
 
 For every pair of runs (each results.json's runs, named ``<folder>/<mode>``): mean and max |dloss| over the common
 steps and step 1's relative difference, the quantities of docs/perf.md's compile tolerance (step 1 within 2e-3
@@ -16,10 +17,29 @@ import json
 from pathlib import Path
 
 
+def jsonl_losses(path: Path) -> list[float]:
+    """The training losses of the trainer's metrics.jsonl in step order; of its last run when runs appended to
+    one file (a record of step 1 starts a run)."""
+    losses: list[float] = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if "loss" not in record:  # validation and profile records
+            continue
+        if record["step"] == 1:
+            losses = []
+        losses.append(float(record["loss"]))
+    return losses
+
+
 def load_curves(paths: list[Path]) -> dict[str, list[float]]:
-    """``{"<folder>/<mode>": losses}`` for every run with losses in the given results.json files."""
+    """``{"<folder>/<mode>": losses}`` for every run with losses in the given results.json files, and
+    ``{"<folder>": losses}`` for a trainer's metrics.jsonl."""
     curves: dict[str, list[float]] = {}
     for path in paths:
+        if path.suffix == ".jsonl":
+            if losses := jsonl_losses(path):
+                curves[path.parent.name] = losses
+            continue
         for run in json.loads(path.read_text())["runs"]:
             if run.get("losses"):
                 curves[f"{path.parent.name}/{run['mode']}"] = [float(x) for x in run["losses"]]
@@ -40,7 +60,7 @@ def differences(a: list[float], b: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", type=Path, help="results.json files of scripts/ablate_compile.py")
+    parser.add_argument("results", nargs="+", type=Path, help="results.json files of scripts/ablate_compile.py or the trainer's metrics.jsonl files")
     parser.add_argument("--out", type=Path, help="write the table as JSON here")
     opts = parser.parse_args(argv)
     curves = load_curves(opts.results)

@@ -5,7 +5,9 @@
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
-#   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), flex_tests
+#   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipe_spread
+#   (two eager runs of the k3_small recipe compared with it as shipped), recipes_fp32 (both recipes with fp32 master
+#   weights, from empty caches), flex_tests
 #   (kernels.causal_attention = flex against fp32 SDPA at k3_small's MLA shape), flex_ops (sdpa vs flex per-op
 #   benchmark), before_bf16 / after_bf16 / flex_step (the k3_small bf16 step under reduce-overhead: .before tree,
 #   this tree, this tree with kernels.causal_attention = flex; + profiles), kda_tests / kda_graph_test (the fla KDA
@@ -49,13 +51,16 @@ ablate() {  # $1 = tree, $2 = name, $3 = modes, rest = ablate_compile.py options
     --modes "$modes" --profile --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1)
   step "$name" $?; cat "$OUT/$name/results.md" 2>/dev/null | tail -4
 }
-recipe() {  # $1 = recipe, $2 = name: a fresh Inductor cache, launch -> first step from the log's clock
-  local t=$(date +%s)
-  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$2 TRITON_CACHE_DIR=/tmp/triton_$2 timeout 170 \
-    python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train --job.config_file "$1" \
-    --training.steps 20 --metrics.log_freq 1 --job.dump_folder "/tmp/$2" > "$OUT/$2.log" 2>&1
-  step "$2" $?
-  python3 - "$OUT/$2.log" "$t" <<'EOF'
+recipe() {  # $1 = recipe, $2 = name, $3 = cache (cold: empty Inductor/Triton caches; or a shared cache's name),
+  # rest = overrides. Launch -> first step from the log's clock; the trainer's own compile report follows.
+  local config=$1 name=$2 cache=$3 t=$(date +%s); shift 3
+  [ "$cache" = cold ] && cache=$name
+  TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$cache TRITON_CACHE_DIR=/tmp/triton_$cache TORCH_LOGS=recompiles \
+    timeout 280 python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train --job.config_file "$config" \
+    --training.steps 20 --metrics.log_freq 1 --job.dump_folder "/tmp/$name" "$@" > "$OUT/$name.log" 2>&1
+  step "$name" $?
+  mkdir -p "$OUT/$name" && cp "/tmp/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null
+  python3 - "$OUT/$name.log" "$t" <<'EOF'
 import datetime, re, sys
 log, launched = sys.argv[1], int(sys.argv[2])
 for line in open(log):
@@ -65,7 +70,7 @@ for line in open(log):
         first = start.replace(hour=int(m[1]), minute=int(m[2]), second=int(m[3]))
         print(f"launch -> first step finished: {(first - start).total_seconds():.0f} s")
 EOF
-  grep -E "summary|Error" "$OUT/$2.log" | tail -2
+  grep -E "took|summary|Error" "$OUT/$name.log" | cut -c1-400 | tail -6
 }
 
 if want tests; then
@@ -136,8 +141,19 @@ if want after; then
   ablate . after_fp32 default -- "${FP32[@]}"
 fi
 if want recipes; then
-  recipe train_configs/k3_small.toml k3_small_recipe
-  recipe train_configs/k31_small.toml k31_small_recipe
+  recipe train_configs/k3_small.toml k3_small_recipe cold
+  recipe train_configs/k31_small.toml k31_small_recipe cold
+fi
+if want recipe_spread; then  # two eager runs of the k3_small recipe against it as shipped: the loss tolerance
+  recipe train_configs/k3_small.toml k3_small_eager_a eager --compile.mode none
+  recipe train_configs/k3_small.toml k3_small_eager_b eager --compile.mode none
+  python3 scripts/compare_loss_curves.py "$OUT"/{k3_small_eager_a,k3_small_eager_b,k3_small_recipe}/metrics.jsonl \
+    --out "$OUT/recipe_loss_spread.json" > "$OUT/recipe_loss_spread.md" 2>&1
+  step recipe_spread $?; cat "$OUT/recipe_loss_spread.md"
+fi
+if want recipes_fp32; then  # the fp32-master setting of both recipes (bf16 compute), from empty caches
+  recipe train_configs/k3_small.toml k3_small_recipe_fp32 cold "${FP32[@]}"
+  recipe train_configs/k31_small.toml k31_small_recipe_fp32 cold "${FP32[@]}"
 fi
 if want cudnn_kda || want par_tests; then
   export CUDNN_FRONTEND_CAKE_CACHE_DIR=${CUDNN_FRONTEND_CAKE_CACHE_DIR:-/tmp/cudnn_cake_cache}  # NVRTC cubins

@@ -38,3 +38,15 @@ def test_fewer_than_two_curves_is_an_error_naming_what_was_found(tmp_path):
     a = write(tmp_path / "only", [{"mode": "none", "losses": [1.0]}, {"mode": "default"}])
     with pytest.raises(ValueError, match=r"at least two runs with losses; found \['only/none'\]"):
         compare.main([str(a)])
+
+
+def test_trainer_metrics_jsonl_gives_its_last_runs_losses(tmp_path):
+    recipe = tmp_path / "k3_small_recipe"
+    recipe.mkdir()
+    records = [{"step": 1, "loss": 99.0}, {"step": 2, "loss": 98.0},  # an earlier run appended to the same file
+               {"step": 1, "loss": 10.0}, {"step": 2, "validation_loss": 7.0, "validation_tokens": 5},
+               {"step": 2, "loss": 9.0}, {"step": 2, "profile": []}]
+    (recipe / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    eager = write(tmp_path / "eager", [{"mode": "none", "losses": [10.0, 8.0]}])
+    curves = compare.load_curves([recipe / "metrics.jsonl", eager])
+    assert curves == {"k3_small_recipe": [10.0, 9.0], "eager/none": [10.0, 8.0]}

@@ -35,6 +35,7 @@ from titan_kimi.parallel.fsdp import ReplicatedGradients
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
+from titan_kimi.training.compile_report import CompileReport
 from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.exit_codes import run_cli
 from titan_kimi.training.kernels import configure_kernels
@@ -420,12 +421,15 @@ class Trainer:
         gc.disable()
         data_iter = iter(self.dataloader)
         stop = StopRequest(self.device).install()  # SIGTERM/SIGINT: finish the step, save, exit 128 + signal
+        compiles = CompileReport()
         try:
             while self.step < cfg.training.steps:
                 self.step += 1
                 with self.profiler.around(self.step) as profiled:
                     metrics = self.train_step(data_iter)
                 self.metrics.log(metrics)
+                if (line := compiles.line(self.step, metrics.step_time)) is not None:
+                    logger.info(line)
                 if profiled:  # every rank profiled this step: all of them gather
                     self.metrics.log_profiles(self.step, gather_profiles(profiled[0]))
                 if not math.isfinite(metrics.loss):
@@ -441,6 +445,7 @@ class Trainer:
                     gc.collect()
             self._final_save()
         finally:
+            compiles.close()
             stop.restore()
             gc.enable()
         logger.info(self.metrics.summary())

@@ -1,0 +1,114 @@
+"""Where a step's compile time went: torch.compile's phases and this process's Triton JIT compiles.
+
+The first step of a compiled run is mostly compilation (Dynamo tracing, Inductor code generation, Triton kernels
+of FLA / liger / lowerings, CUDA-graph recording). This logs, for the first step and any later step that compiled
+again, how its wall time divides, so a slow start names its cause instead of being one opaque number.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+def process_start_time() -> float | None:
+    """This process's start (Unix time) from /proc on Linux; None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after the command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _torch_compile_seconds() -> dict[str, float]:
+    try:
+        from torch._dynamo.utils import calculate_time_spent, counters
+    except ImportError:  # a torch without Dynamo's timers: report nothing rather than fail the run
+        return {}
+    phases = dict(calculate_time_spent())
+    phases["graphs"] = float(counters["stats"].get("unique_graphs", 0))
+    return phases
+
+
+@dataclass
+class TritonJitClock:
+    """Counts and times the Triton JIT compiles made in this process (cache hits from disk included), through
+    Triton's ``jit_cache_hook`` / ``jit_post_compile_hook`` knobs; hooks already installed keep running."""
+
+    kernels: int = 0
+    seconds: float = 0.0
+    _started: dict[Any, float] = field(default_factory=dict)
+    _previous: tuple[Callable | None, Callable | None] = (None, None)
+    installed: bool = False
+
+    def install(self) -> "TritonJitClock":
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton (a CPU build): nothing to time
+            return self
+        runtime = knobs.runtime
+        before_cache, before_post = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+        self._previous = (before_cache, before_post)
+
+        def on_start(*args: Any, **kwargs: Any) -> bool:
+            self._started[repr(kwargs.get("key"))] = time.perf_counter()
+            # a true return tells Triton to skip the compile: defer to a hook that was there before
+            return bool(before_cache(*args, **kwargs)) if before_cache is not None else False
+
+        def on_done(*args: Any, **kwargs: Any) -> Any:
+            began = self._started.pop(repr(kwargs.get("key")), None)
+            if began is not None:
+                self.kernels += 1
+                self.seconds += time.perf_counter() - began
+            return before_post(*args, **kwargs) if before_post is not None else None
+
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_start, on_done
+        self.installed = True
+        return self
+
+    def uninstall(self) -> None:
+        if self.installed:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._previous
+            self.installed = False
+
+
+class CompileReport:
+    """Snapshot the compile counters around each step; `line` describes a step that compiled (None otherwise)."""
+
+    def __init__(self, launched_at: float | None = None) -> None:
+        self.launched_at = process_start_time() if launched_at is None else launched_at
+        self.triton = TritonJitClock().install()
+        self._torch = _torch_compile_seconds()
+        self._triton = (0, 0.0)
+
+    def line(self, step: int, step_seconds: float) -> str | None:
+        now_torch = _torch_compile_seconds()
+        delta = {k: now_torch.get(k, 0.0) - self._torch.get(k, 0.0) for k in now_torch}
+        kernels, seconds = self.triton.kernels - self._triton[0], self.triton.seconds - self._triton[1]
+        self._torch, self._triton = now_torch, (self.triton.kernels, self.triton.seconds)
+        compiled = delta.get("total_wall_time", 0.0)
+        if compiled < 0.5 and seconds < 0.5 and step != 1:
+            return None
+        parts = [f"step {step} took {step_seconds:.1f} s"]
+        if step == 1 and self.launched_at is not None:
+            parts[0] += f" (finished {time.time() - self.launched_at:.0f} s after this process started)"
+        parts.append(
+            f"torch.compile {compiled:.1f} s over {int(delta.get('graphs', 0))} new graphs "
+            f"(Dynamo frames {delta.get('entire_frame_compile', 0.0):.1f} s, their Inductor compiles "
+            f"{delta.get('inductor_compile', 0.0):.1f} s of it, waiting on kernel workers "
+            f"{delta.get('async_compile.wait', 0.0):.1f} s of that; lazily compiled backwards "
+            f"{delta.get('entire_backward_compile', 0.0):.1f} s)")
+        parts.append(f"Triton JIT in this process {seconds:.1f} s over {kernels} kernels")
+        rest = step_seconds - compiled - seconds
+        parts.append(f"the rest {rest:.1f} s (running, autotuning, CUDA-graph recording)")
+        return "; ".join(parts)
+
+    def close(self) -> None:
+        self.triton.uninstall()
