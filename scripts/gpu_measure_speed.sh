@@ -2,6 +2,7 @@
 # One-H200 speed measurements (issue 17) in parts, each archived into $OUT/all.tgz as it ends, so a call cut short
 # still returns what finished. "before" runs the tree unpacked in .before/ (`git archive <commit>`), "after" this one.
 #   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
+#   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s)
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
@@ -54,10 +55,11 @@ ablate() {  # $1 = tree, $2 = name, $3 = modes, rest = ablate_compile.py options
 recipe() {  # $1 = recipe, $2 = name, $3 = cache (cold: empty Inductor/Triton caches; or a shared cache's name),
   # rest = overrides. Launch -> first step from the log's clock; the trainer's own compile report follows.
   local config=$1 name=$2 cache=$3 t=$(date +%s); shift 3
-  [ "$cache" = cold ] && cache=$name
+  [ "$cache" = cold ] && { cache=$name; rm -rf "/tmp/inductor_$cache" "/tmp/triton_$cache" "/tmp/$name"; }
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$cache TRITON_CACHE_DIR=/tmp/triton_$cache TORCH_LOGS=recompiles \
-    timeout 280 python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train --job.config_file "$config" \
-    --training.steps 20 --metrics.log_freq 1 --job.dump_folder "/tmp/$name" "$@" > "$OUT/$name.log" 2>&1
+    timeout "${RECIPE_TIMEOUT:-280}" python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train \
+    --job.config_file "$config" --training.steps 20 --metrics.log_freq 1 --job.dump_folder "/tmp/$name" "$@" \
+    ${RECIPE_EXTRA:-} > "$OUT/$name.log" 2>&1
   step "$name" $?
   mkdir -p "$OUT/$name" && cp "/tmp/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null
   python3 - "$OUT/$name.log" "$t" <<'EOF'

@@ -13,7 +13,7 @@ from lowerings.ops.registry import _REGISTRY, op_backends
 from lowerings.settings import KernelSettings, configure_kernel_settings, kernel_settings
 from titan_kimi.config import ConfigError, load_job_config, to_toml
 from titan_kimi.config.options import describe_config
-from titan_kimi.config.sections import JobConfig
+from titan_kimi.config.sections import TRAINER_KERNEL_KEYS, JobConfig
 from titan_kimi.training.kernels import configure_kernels
 
 
@@ -32,7 +32,8 @@ def test_config_registry_and_catalog_list_the_same_ops_and_backends():
         assert specs[op].choices == ("auto", *entry.backends)
         assert set(_REGISTRY[op].checks) == set(entry.backends), op  # every listed backend is registered
     assert set(_REGISTRY) == set(BACKEND_OPS)
-    assert set(specs) == set(BACKEND_OPS) | {f.name for f in dataclasses.fields(KernelSettings)}
+    assert set(specs) == (set(BACKEND_OPS) | {f.name for f in dataclasses.fields(KernelSettings)}
+                          | set(TRAINER_KERNEL_KEYS))
     with pytest.raises(ValueError, match=r"backend 'cutlass' of op 'kda' is not listed in lowerings/catalog\.py"):
         op_backends("kda").add("cutlass")
     with pytest.raises(ValueError, match=r"op 'indexer' is not listed in lowerings/catalog\.py"):

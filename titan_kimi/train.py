@@ -36,6 +36,7 @@ from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.compile_report import CompileReport
+from titan_kimi.training.kernel_prewarm import FlaPrewarm
 from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.exit_codes import run_cli
 from titan_kimi.training.kernels import configure_kernels
@@ -139,6 +140,7 @@ class Trainer:
         # Every validation starts from the first batch, so runs that stop at validation.steps stay comparable.
         self.validation_start = self.validation_loader.state_dict() if self.validation_loader else None
         self.step = 0
+        self.prewarm: FlaPrewarm | None = None  # main() hands over the one it started
         self.checkpointer = CheckpointManager.from_config(cfg.checkpoint, cfg.job.dump_folder)
         self.train_state = training_state(self.model_parts, self.optimizer.optimizers, self.lr_scheduler,
                                           self.dataloader)
@@ -430,6 +432,8 @@ class Trainer:
                 self.metrics.log(metrics)
                 if (line := compiles.line(self.step, metrics.step_time)) is not None:
                     logger.info(line)
+                if self.prewarm is not None:
+                    self.prewarm.finish(stop=False)
                 if profiled:  # every rank profiled this step: all of them gather
                     self.metrics.log_profiles(self.step, gather_profiles(profiled[0]))
                 if not math.isfinite(metrics.loss):
@@ -477,7 +481,15 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
     resolved = configure_kernels(cfg.kernels)
     logger.info("kernels: %s", describe_kernels(resolved))
-    trainer = Trainer(cfg, args, layout, env)
+    prewarm = FlaPrewarm()  # started before the model is built, so its compiles overlap the build and Dynamo's
+    prewarm.start(args, cfg, pick_device(env), kda_backend=resolved["kda"], context_parallel=layout.cp,
+                  local_rank=env.local_rank)
+    try:
+        trainer = Trainer(cfg, args, layout, env)
+    except BaseException:
+        prewarm.finish(stop=True)
+        raise
+    trainer.prewarm = prewarm
     try:
         if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
             from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
@@ -485,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info(prepare_fla_configs())
         trainer.train()
     finally:
+        prewarm.finish(stop=True)
         trainer.close()
         destroy()
     return 0

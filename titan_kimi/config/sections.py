@@ -188,13 +188,21 @@ class Compile:
     mode: str = option(
         "none", "torch.compile mode; none = eager",
         choices=("none", "default", "inductor", "max-autotune", "reduce-overhead"))
-    fullgraph: bool = option(True, "compile each block as one graph (graph breaks are errors)")
+    fullgraph: bool = option(True, "compile each region as one graph (graph breaks are errors)")
+    granularity: str = option(
+        "block", "what one compiled region is: block = a whole decoder block (most fusion; one graph per block "
+        "variant), module = a block's norms, attention and FFN apart (one graph per module kind: a shorter "
+        "first step)", choices=("block", "module"))
     components: list[str] = option(
         ["model"], "what to compile: model = every decoder block, loss = the head's fused linear cross-entropy",
         choices=("model", "loss"))
 
 
-# One key per op of lowerings/catalog.py (the one op list), then the kernel settings of lowerings/settings.py.
+# Keys of [kernels] that the trainer applies itself (titan_kimi/training), not lowerings/settings.py.
+TRAINER_KERNEL_KEYS = ("prewarm_fla",)
+
+# One key per op of lowerings/catalog.py (the one op list), then the kernel settings of lowerings/settings.py,
+# then TRAINER_KERNEL_KEYS.
 Kernels = make_dataclass("Kernels", [
     *[(op, str, option("auto", entry.help, choices=("auto", *entry.backends))) for op, entry in BACKEND_OPS.items()],
     ("triton_autotune", bool, option(
@@ -209,6 +217,10 @@ Kernels = make_dataclass("Kernels", [
         "FLA's Triton autotune configs: shipped = the ones tuned for this GPU in lowerings/kernels/fla_configs "
         "(FLA tunes what they lack), autotune = FLA tunes everything at the first step",
         choices=FLA_CONFIG_CHOICES)),
+    ("prewarm_fla", bool, option(
+        True,
+        "with kda = fla on a GPU: compile FLA's KDA kernels at this run's shape in a background process at "
+        "launch, so the first step loads them from Triton's cache; false = they compile inside the first step")),
 ])
 
 

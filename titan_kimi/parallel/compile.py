@@ -37,29 +37,36 @@ class _ForwardScope:
             self._stacks.pop().close()
 
 
-def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_outside: bool = False) -> None:
+GRANULARITIES = ("block", "module")
+
+
+def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_outside: bool = False,
+                  granularity: str = "block") -> None:
     """Compile every decoder block (and vision block) in place (parameter names unchanged); ``none`` leaves the
     model eager.
 
-    The blocks share one code object, so Dynamo counts every block variant (layer position, block type, AttnRes
-    bank size, which inputs need grad, and once more when the packed document count first changes) against one
-    recompile limit: it is raised to cover the stack, inside the forward only, rather than failing a fullgraph
-    compile at Dynamo's default of 8.
+    ``granularity``: ``block`` compiles each decoder block whole (the most fusion). The blocks share one code
+    object, so Dynamo compiles every block variant (block type, AttnRes bank size and block start, which inputs
+    need grad) as its own graph, each holding its attention and FFN again: k3_small's 16 layers make 6 graphs.
+    ``module`` compiles a block's norms, attention and FFN (MoE or dense) separately, so each kind compiles once
+    for the whole stack (k3_small: 5 small graphs; MLA's FlexAttention and the MoE once each, not per variant);
+    the residual adds and AttnRes mixes between them run as they are (one op each). Either way the recompile
+    limit is raised to cover the stack, inside the forward only, rather than failing a fullgraph compile at
+    Dynamo's default of 8.
 
     ``experts_outside`` (expert parallelism): the expert dispatch reads token counts on the host for its
     all-to-all, which no graph can hold; MoE blocks then compile each of their sub-modules except the routed
     experts (torchtitan's rule), whose grouped GEMM and fused SiTU-GLU run as they are.
     """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"compile granularity {granularity!r} is not one of {GRANULARITIES}")
     spec = compile_mode(mode)
     options = spec.compile_options()
     if options is None:
         return
     for block in model.layers.values():
-        if experts_outside and getattr(block, "moe_enabled", False):
-            for part in _moe_block_parts(block):
-                part.compile(fullgraph=fullgraph, **options)
-        else:
-            block.compile(fullgraph=fullgraph, **options)
+        for region in _compiled_regions(block, granularity, experts_outside):
+            region.compile(fullgraph=fullgraph, **options)
     vision_tower = getattr(model, "vision_tower", None)  # an image-text model's first stage
     if vision_tower is not None:
         for block in vision_tower.encoder.blocks:
@@ -68,6 +75,16 @@ def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_out
     scope = _ForwardScope(spec, limit)
     model.register_forward_pre_hook(scope.enter)
     model.register_forward_hook(scope.exit, always_call=True)
+
+
+def _compiled_regions(block: torch.nn.Module, granularity: str, experts_outside: bool) -> list[torch.nn.Module]:
+    inner = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing's wrapper
+    if experts_outside and getattr(inner, "moe_enabled", False):
+        return _moe_block_parts(inner)
+    if granularity == "block":
+        return [block]
+    ffn = inner.moe if inner.moe_enabled else inner.feed_forward
+    return [inner.attention_norm, inner.attention, inner.ffn_norm, ffn]
 
 
 def _moe_block_parts(block: torch.nn.Module) -> list[torch.nn.Module]:

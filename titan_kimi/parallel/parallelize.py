@@ -28,7 +28,8 @@ def _ac_and_compile(model: KimiK3Model, cfg, *, experts_outside: bool) -> None:
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.mode != "none":
         if "model" in cfg.compile.components:
-            apply_compile(model, cfg.compile.mode, fullgraph=cfg.compile.fullgraph, experts_outside=experts_outside)
+            apply_compile(model, cfg.compile.mode, fullgraph=cfg.compile.fullgraph, experts_outside=experts_outside,
+                          granularity=cfg.compile.granularity)
         if "loss" in cfg.compile.components and model.output is not None:
             apply_loss_compile(model.output, cfg.compile.mode, fullgraph=cfg.compile.fullgraph)
 

@@ -99,13 +99,15 @@ class CompileReport:
         parts = [f"step {step} took {step_seconds:.1f} s"]
         if step == 1 and self.launched_at is not None:
             parts[0] += f" (finished {time.time() - self.launched_at:.0f} s after this process started)"
-        parts.append(
-            f"torch.compile {compiled:.1f} s over {int(delta.get('graphs', 0))} new graphs "
-            f"(Dynamo frames {delta.get('entire_frame_compile', 0.0):.1f} s, their Inductor compiles "
-            f"{delta.get('inductor_compile', 0.0):.1f} s of it, waiting on kernel workers "
-            f"{delta.get('async_compile.wait', 0.0):.1f} s of that; lazily compiled backwards "
-            f"{delta.get('entire_backward_compile', 0.0):.1f} s)")
-        parts.append(f"Triton JIT in this process {seconds:.1f} s over {kernels} kernels")
+        if compiled > 0 or delta.get("graphs", 0) > 0:
+            parts.append(
+                f"torch.compile {compiled:.1f} s over {int(delta.get('graphs', 0))} new graphs "
+                f"(Dynamo frames {delta.get('entire_frame_compile', 0.0):.1f} s, their Inductor compiles "
+                f"{delta.get('inductor_compile', 0.0):.1f} s of it, waiting on kernel workers "
+                f"{delta.get('async_compile.wait', 0.0):.1f} s of that; lazily compiled backwards "
+                f"{delta.get('entire_backward_compile', 0.0):.1f} s)")
+        if kernels:
+            parts.append(f"Triton JIT in this process {seconds:.1f} s over {kernels} kernels")
         rest = step_seconds - compiled - seconds
         parts.append(f"the rest {rest:.1f} s (running, autotuning, CUDA-graph recording)")
         return "; ".join(parts)
