@@ -7,7 +7,8 @@
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipe_spread
-#   (two eager runs of the k3_small recipe compared with it as shipped), recipes_fp32 (both recipes with fp32 master
+#   (two eager runs of the k3_small recipe compared with it as shipped), eager_variant (the k3_small recipe eager with
+#   kernels.causal_attention = sdpa: how far an exact kernel change moves the loss curve), recipes_fp32 (both recipes with fp32 master
 #   weights, from empty caches), flex_tests
 #   (kernels.causal_attention = flex against fp32 SDPA at k3_small's MLA shape), flex_ops (sdpa vs flex per-op
 #   benchmark), before_bf16 / after_bf16 / flex_step (the k3_small bf16 step under reduce-overhead: .before tree,
@@ -152,6 +153,9 @@ if want recipe_spread; then  # two eager runs of the k3_small recipe against it 
   python3 scripts/compare_loss_curves.py "$OUT"/{k3_small_eager_a,k3_small_eager_b,k3_small_recipe}/metrics.jsonl \
     --out "$OUT/recipe_loss_spread.json" > "$OUT/recipe_loss_spread.md" 2>&1
   step recipe_spread $?; cat "$OUT/recipe_loss_spread.md"
+fi
+if want eager_variant; then  # eager with another exact attention kernel (sdpa): a rounding-level perturbation's spread
+  recipe train_configs/k3_small.toml k3_small_eager_sdpa eager --compile.mode none --kernels.causal_attention sdpa
 fi
 if want recipes_fp32; then  # the fp32-master setting of both recipes (bf16 compute), from empty caches
   recipe train_configs/k3_small.toml k3_small_recipe_fp32 cold "${FP32[@]}"

@@ -39,7 +39,7 @@ from titan_kimi.training.compile_report import CompileReport
 from titan_kimi.training.kernel_prewarm import FlaPrewarm
 from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.exit_codes import run_cli
-from titan_kimi.training.kernels import configure_kernels
+from titan_kimi.training.kernels import configure_kernels, import_backend_libraries
 from titan_kimi.training.kernels import describe as describe_kernels
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
@@ -495,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
 
             logger.info(prepare_fla_configs())
+        import_backend_libraries(resolved)
         trainer.train()
     finally:
         prewarm.finish(stop=True)

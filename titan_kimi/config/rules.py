@@ -96,6 +96,16 @@ def compile_has_components(cfg: JobConfig, source_of: SourceOf) -> None:
                       "one or both of model|loss, or compile.mode = \"none\"")
 
 
+def sublayer_compile_without_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
+    # Checkpointing recomputes a block in its backward; with the sublayers compiled apart that re-runs compiled
+    # regions (CUDA graphs under reduce-overhead) inside the backward, a combination no test runs yet.
+    if (cfg.compile.mode != "none" and cfg.compile.granularity == "sublayer"
+            and cfg.activation_checkpoint.mode != "none"):
+        raise _reject(cfg, "compile.granularity", source_of,
+                      f"not supported with {_other(cfg, 'activation_checkpoint.mode', source_of)}",
+                      "\"block\" (each checkpointed block compiled whole), or activation_checkpoint.mode = \"none\"")
+
+
 def batch_shapes_divide(cfg: JobConfig, source_of: SourceOf) -> None:
     t, p = cfg.training, cfg.parallelism
     local = _other(cfg, "training.local_batch_size", source_of)
@@ -269,6 +279,7 @@ RULES: tuple[Rule, ...] = (
     schedule_fits_in_training,
     selective_ac_option_is_known,
     compile_has_components,
+    sublayer_compile_without_checkpointing,
     batch_shapes_divide,
     context_parallel_kda_has_a_backend,
     mixed_precision_only_lowers,
