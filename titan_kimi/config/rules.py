@@ -96,10 +96,10 @@ def compile_has_components(cfg: JobConfig, source_of: SourceOf) -> None:
                       "one or both of model|loss, or compile.mode = \"none\"")
 
 
-def sublayer_compile_without_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
-    # Checkpointing recomputes a block in its backward; with the sublayers compiled apart that re-runs compiled
+def module_compile_without_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
+    # Checkpointing recomputes a block in its backward; with its modules compiled apart that re-runs compiled
     # regions (CUDA graphs under reduce-overhead) inside the backward, a combination no test runs yet.
-    if (cfg.compile.mode != "none" and cfg.compile.granularity == "sublayer"
+    if (cfg.compile.mode != "none" and cfg.compile.granularity == "module"
             and cfg.activation_checkpoint.mode != "none"):
         raise _reject(cfg, "compile.granularity", source_of,
                       f"not supported with {_other(cfg, 'activation_checkpoint.mode', source_of)}",
@@ -279,7 +279,7 @@ RULES: tuple[Rule, ...] = (
     schedule_fits_in_training,
     selective_ac_option_is_known,
     compile_has_components,
-    sublayer_compile_without_checkpointing,
+    module_compile_without_checkpointing,
     batch_shapes_divide,
     context_parallel_kda_has_a_backend,
     mixed_precision_only_lowers,

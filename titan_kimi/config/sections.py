@@ -191,8 +191,8 @@ class Compile:
     fullgraph: bool = option(True, "compile each region as one graph (graph breaks are errors)")
     granularity: str = option(
         "block", "what one compiled region is: block = a whole decoder block (most fusion; one graph per block "
-        "variant), sublayer = a block's norm + attention and norm + FFN apart (one graph per sublayer kind: a "
-        "shorter first step)", choices=("block", "sublayer"))
+        "variant), module = a block's norms, attention and FFN apart (one graph per module kind: a shorter "
+        "first step)", choices=("block", "module"))
     components: list[str] = option(
         ["model"], "what to compile: model = every decoder block, loss = the head's fused linear cross-entropy",
         choices=("model", "loss"))

@@ -37,7 +37,7 @@ class _ForwardScope:
             self._stacks.pop().close()
 
 
-GRANULARITIES = ("block", "sublayer")
+GRANULARITIES = ("block", "module")
 
 
 def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_outside: bool = False,
@@ -45,15 +45,14 @@ def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_out
     """Compile every decoder block (and vision block) in place (parameter names unchanged); ``none`` leaves the
     model eager.
 
-    ``granularity``: ``block`` compiles each decoder block whole (the most fusion, the fewest compiled calls per
-    step). The blocks share one code object, so Dynamo compiles every block variant (block type, AttnRes bank
-    size and block start, which inputs need grad) as its own graph, each holding its attention and FFN again:
-    k3_small's 16 layers make 6 graphs. ``sublayer`` compiles a block's two sublayers apart (norm + attention,
-    norm + FFN: ``KimiK3Block.attention_sublayer`` / ``ffn_sublayer``), which are the same in every layer of a
-    type, so each compiles once for the whole stack (k3_small: 4 graphs; MLA's FlexAttention and the MoE once
-    each); the residual adds and AttnRes mixes between them run as they are (one op each). Either way the
-    recompile limit is raised to cover the stack, inside the forward only, rather than failing a fullgraph
-    compile at Dynamo's default of 8.
+    ``granularity``: ``block`` compiles each decoder block whole (the most fusion). The blocks share one code
+    object, so Dynamo compiles every block variant (block type, AttnRes bank size and block start, which inputs
+    need grad) as its own graph, each holding its attention and FFN again: k3_small's 16 layers make 6 graphs.
+    ``module`` compiles a block's norms, attention and FFN (MoE or dense) separately, so each kind compiles once
+    for the whole stack (k3_small: 5 small graphs; MLA's FlexAttention and the MoE once each, not per variant);
+    the residual adds and AttnRes mixes between them run as they are (one op each). Either way the recompile
+    limit is raised to cover the stack, inside the forward only, rather than failing a fullgraph compile at
+    Dynamo's default of 8.
 
     ``experts_outside`` (expert parallelism): the expert dispatch reads token counts on the host for its
     all-to-all, which no graph can hold; MoE blocks then compile each of their sub-modules except the routed
@@ -66,16 +65,8 @@ def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_out
     if options is None:
         return
     for block in model.layers.values():
-        inner = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing's wrapper
-        if experts_outside and getattr(inner, "moe_enabled", False):
-            for part in _moe_block_parts(inner):
-                part.compile(fullgraph=fullgraph, **options)
-        elif granularity == "sublayer":
-            # instance attributes over the methods: the block's forward calls the compiled sublayers
-            inner.attention_sublayer = torch.compile(inner.attention_sublayer, fullgraph=fullgraph, **options)
-            inner.ffn_sublayer = torch.compile(inner.ffn_sublayer, fullgraph=fullgraph, **options)
-        else:
-            block.compile(fullgraph=fullgraph, **options)
+        for region in _compiled_regions(block, granularity, experts_outside):
+            region.compile(fullgraph=fullgraph, **options)
     vision_tower = getattr(model, "vision_tower", None)  # an image-text model's first stage
     if vision_tower is not None:
         for block in vision_tower.encoder.blocks:
@@ -84,6 +75,16 @@ def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_out
     scope = _ForwardScope(spec, limit)
     model.register_forward_pre_hook(scope.enter)
     model.register_forward_hook(scope.exit, always_call=True)
+
+
+def _compiled_regions(block: torch.nn.Module, granularity: str, experts_outside: bool) -> list[torch.nn.Module]:
+    inner = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing's wrapper
+    if experts_outside and getattr(inner, "moe_enabled", False):
+        return _moe_block_parts(inner)
+    if granularity == "block":
+        return [block]
+    ffn = inner.moe if inner.moe_enabled else inner.feed_forward
+    return [inner.attention_norm, inner.attention, inner.ffn_norm, ffn]
 
 
 def _moe_block_parts(block: torch.nn.Module) -> list[torch.nn.Module]:

@@ -43,29 +43,23 @@ class KimiK3Block(nn.Module):
             self.attention_mix = AttnResMix(args.dim, args.norm_eps, args.init_std)
             self.ffn_mix = AttnResMix(args.dim, args.norm_eps, args.init_std)
 
-    def attention_sublayer(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
-        """Norm and attention (KDA or MLA); the same computation in every layer of a type, whatever its
-        position, so a compiled region of just this compiles once per type (compile.granularity)."""
-        return self.attention(self.attention_norm(x), seq)
-
-    def ffn_sublayer(self, x: torch.Tensor) -> torch.Tensor:
-        """Norm and FFN (MoE or the dense SiTU MLP)."""
-        return (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(x))
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x) if self.moe_enabled else self.feed_forward(x)
 
     def forward(self, hidden: torch.Tensor, bank: torch.Tensor, seq: SequenceInfo) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.block_size:
-            hidden = hidden + self.attention_sublayer(hidden, seq)
-            return hidden + self.ffn_sublayer(hidden), bank
+            hidden = hidden + self.attention(self.attention_norm(hidden), seq)
+            return hidden + self._mlp(self.ffn_norm(hidden)), bank
         B, S, H = hidden.shape
         x = self.attention_mix(bank, hidden) if bank.shape[1] else hidden
-        attn = self.attention_sublayer(x, seq)
+        attn = self.attention(self.attention_norm(x), seq)
         if self.starts_block:
             bank = torch.cat([bank, hidden.reshape(B * S, 1, H)], dim=1)
             hidden = attn
         else:
             hidden = hidden + attn
         mlp_in = self.ffn_mix(bank, hidden)
-        return hidden + self.ffn_sublayer(mlp_in), bank
+        return hidden + self._mlp(self.ffn_norm(mlp_in)), bank
 
     def init_weights(self) -> None:
         self.attention.init_weights()
