@@ -33,12 +33,13 @@ def jsonl_losses(path: Path) -> list[float]:
 
 def load_curves(paths: list[Path]) -> dict[str, list[float]]:
     """``{"<folder>/<mode>": losses}`` for every run with losses in the given results.json files, and
-    ``{"<folder>": losses}`` for a trainer's metrics.jsonl."""
+    ``{"<folder>": losses}`` for a trainer's metrics.jsonl (``"<folder>/<stem>"`` for a renamed copy)."""
     curves: dict[str, list[float]] = {}
     for path in paths:
         if path.suffix == ".jsonl":
             if losses := jsonl_losses(path):
-                curves[path.parent.name] = losses
+                name = path.parent.name if path.name == "metrics.jsonl" else f"{path.parent.name}/{path.stem}"
+                curves[name] = losses
             continue
         for run in json.loads(path.read_text())["runs"]:
             if run.get("losses"):

@@ -78,7 +78,8 @@ EOF
 
 if want tests; then
   tests=(tests/test_moe_gpu.py tests/test_linear_cross_entropy_gpu.py tests/test_optimizer.py
-         tests/test_dsa_dense_shortcut_gpu.py tests/test_triton_kernels.py tests/test_vision_lora_gpu.py)
+         tests/test_dsa_dense_shortcut_gpu.py tests/test_triton_kernels.py tests/test_vision_lora_gpu.py
+         tests/test_kernel_prewarm_gpu.py)
   timeout -s INT -k 20 240 python3 -m pytest -m gpu --kernels-triton-autotune false "${tests[@]}" -q -rs -rf \
     > "$OUT/pytest_gpu.log" 2>&1
   step pytest $?; tail -4 "$OUT/pytest_gpu.log"

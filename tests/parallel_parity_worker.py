@@ -65,6 +65,10 @@ LAYOUTS = {
                             "--activation_checkpoint.mode", "selective", "--compile.mode", "default"],
     "ep2_full_ac": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2",
                     "--activation_checkpoint.mode", "full"],
+    # Norms, attention and FFN compiled apart (compile.granularity = module), inside FSDP2 units, under PP2.
+    "pp2_fsdp2_module_compile": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
+                                 "--training.global_batch_size", "4", "--compile.mode", "default",
+                                 "--compile.granularity", "module"],
 }
 # The image-text recipe in fp32 (pipeline x FSDP over the 4 ranks): the tower and projector on the first stage;
 # with LoRA, adapters on the tower and projector too.

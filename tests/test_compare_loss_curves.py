@@ -50,3 +50,6 @@ def test_trainer_metrics_jsonl_gives_its_last_runs_losses(tmp_path):
     eager = write(tmp_path / "eager", [{"mode": "none", "losses": [10.0, 8.0]}])
     curves = compare.load_curves([recipe / "metrics.jsonl", eager])
     assert curves == {"k3_small_recipe": [10.0, 9.0], "eager/none": [10.0, 8.0]}
+    renamed = recipe / "fp32_metrics.jsonl"  # a copy kept beside others under another name
+    renamed.write_text((recipe / "metrics.jsonl").read_text())
+    assert compare.load_curves([renamed, eager])["k3_small_recipe/fp32_metrics"] == [10.0, 9.0]

@@ -44,7 +44,7 @@ def train(folder: Path, *overrides: str, nproc: int = 0) -> list[float]:
 @pytest.mark.slow
 def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
     """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2, selective AC + compile under PP2 x EP2,
-    full AC under EP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
+    full AC under EP2, per-module compile under PP2 x FSDP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
     LoRA and with LoRA under ZBVZeroBubble (adapter files byte-equal to one process's): one step's gradients on 4 ranks.
     PP2 x EP2 x FSDP2 (text) and the image-text LoRA layouts also export their stages as one HF checkpoint, equal to
     one process's export (adapters merged) and loading back with its logits."""
@@ -57,6 +57,7 @@ def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
     results = dict(re.findall(r"PARITY (\S+) (grad_rel \S+ loss_rel \S+ params \d+)", out))
     assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2", "pp2_interleaved_zb",
                             "pp2_looped_bfs", "pp2_dualpipev", "pp2_gpipe", "pp2_ep2_sac_compile", "ep2_full_ac",
+                            "pp2_fsdp2_module_compile",
                             "ep2_efsdp2_hf", "pp2_ep2_hf", "vl_pp2_fsdp2", "vl_lora_pp2_fsdp2",
                             "vl_lora_pp2_zbv"}, out
     for name, line in results.items():
