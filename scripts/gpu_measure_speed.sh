@@ -16,7 +16,8 @@
 #   op's GPU tests / only its CUDA-graph replay), kda_capture (scripts/repro_kda_cudagraph_capture.py), par_tests
 #   (GPU test files side by side), spread (two eager bf16 runs and the reduce-overhead one, loss curves compared
 #   pairwise by scripts/compare_loss_curves.py), cudnn_kda (kernels.kda = cudnn, cuDNN-FE 1.32's Hopper engine: its GPU tests
-#   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn)
+#   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn), cudnn_kda_bench
+#   (only the benchmark)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -162,7 +163,7 @@ if want recipes_fp32; then  # the fp32-master setting of both recipes (bf16 comp
   recipe train_configs/k3_small.toml k3_small_recipe_fp32 cold "${FP32[@]}"
   recipe train_configs/k31_small.toml k31_small_recipe_fp32 cold "${FP32[@]}"
 fi
-if want cudnn_kda || want par_tests; then
+if want cudnn_kda || want par_tests || want cudnn_kda_bench; then
   export CUDNN_FRONTEND_CAKE_CACHE_DIR=${CUDNN_FRONTEND_CAKE_CACHE_DIR:-/tmp/cudnn_cake_cache}  # NVRTC cubins
   python3 -c "from lowerings.ops.kda import BACKENDS; print('kernels.kda = cudnn:', BACKENDS.checks['cudnn']() or 'available')" \
     > "$OUT/cudnn_kda_available.txt" 2>&1; cat "$OUT/cudnn_kda_available.txt"
@@ -177,7 +178,9 @@ fi
 if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fla, compiled, graph replay; then speed
   want par_tests || { timeout -s INT -k 20 240 python3 -m pytest -m gpu tests/test_kda_cudnn_gpu.py -q -rs -rf \
     > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
-  timeout 170 python3 scripts/bench_kda.py --shapes k3_small k3 --layouts docs_padded one_doc_padded \
+fi
+if want cudnn_kda || want cudnn_kda_bench; then  # cudnn_kda_bench: the speed part alone (its own call)
+  timeout "$(want cudnn_kda_bench && echo 500 || echo 170)" python3 scripts/bench_kda.py --shapes k3_small k3 --layouts docs_padded one_doc_padded \
     --out "$OUT/bench_kda.json" > "$OUT/bench_kda.md" 2>&1
   step bench_kda $?; tail -24 "$OUT/bench_kda.md"
 fi
