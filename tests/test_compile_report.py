@@ -22,8 +22,16 @@ def test_first_step_reports_compile_and_a_quiet_step_reports_nothing():
     compile_seconds = float(line.split("torch.compile ")[1].split(" s")[0])
     graphs = int(line.split(" over ")[1].split(" new graphs")[0])
     assert compile_seconds > 0 and graphs >= 1
+    assert "the rest" in line
     compiled(x).sum().backward()  # same shapes: no recompile, nothing to report
     assert report.line(2, 0.01) is None
+    report.close()
+
+
+def test_an_eager_first_step_reports_its_time_alone():
+    report = CompileReport(launched_at=time.time() - 3.0)
+    line = report.line(1, 0.25)
+    assert line.startswith("step 1 took 0.2 s (finished 3 s after this process started)") and ";" not in line
     report.close()
 
 

@@ -108,8 +108,9 @@ class CompileReport:
                 f"{delta.get('entire_backward_compile', 0.0):.1f} s)")
         if kernels:
             parts.append(f"Triton JIT in this process {seconds:.1f} s over {kernels} kernels")
-        rest = step_seconds - compiled - seconds
-        parts.append(f"the rest {rest:.1f} s (running, autotuning, CUDA-graph recording)")
+        if len(parts) > 1:  # something compiled: say what the remainder was
+            rest = step_seconds - compiled - seconds
+            parts.append(f"the rest {rest:.1f} s (running, autotuning, CUDA-graph recording)")
         return "; ".join(parts)
 
     def close(self) -> None:
