@@ -15,10 +15,13 @@ import tempfile
 
 import torch
 
+from titan_kimi.config.sections import JobConfig
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+
 logger = logging.getLogger("titan_kimi")
 
 
-def prewarm_command(args, cfg, device: torch.device) -> list[str]:
+def prewarm_command(args: KimiK3ModelArgs, cfg: JobConfig, device: torch.device) -> list[str]:
     """The fla_prewarm command line for model ``args`` under ``cfg`` (one KDA call over the packed rows)."""
     t = cfg.training
     dtypes = list(dict.fromkeys([cfg.model.dtype, t.param_dtype]))  # stored, and the compute dtype under FSDP
@@ -38,8 +41,8 @@ class FlaPrewarm:
         self.process: subprocess.Popen | None = None
         self._output = None  # a file, not a pipe: a chatty process must never block on a full pipe
 
-    def start(self, args, cfg, device: torch.device, *, kda_backend: str, context_parallel: int,
-              local_rank: int) -> bool:
+    def start(self, args: KimiK3ModelArgs, cfg: JobConfig, device: torch.device, *, kda_backend: str,
+              context_parallel: int, local_rank: int) -> bool:
         """Start when the run can use it: the fla backend on a CUDA device, no context parallelism (its KDA path
         differs), KDA layers in the model, one process per node (ranks of a node share Triton's cache)."""
         if not cfg.kernels.prewarm_fla or kda_backend != "fla" or device.type != "cuda" or context_parallel > 1:
