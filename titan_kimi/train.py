@@ -36,6 +36,8 @@ from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.compile_report import CompileReport
+from titan_kimi.training.compile_prewarm import ModulePrewarm, is_image_text
+from titan_kimi.training.compile_prewarm import unsupported as prewarm_unsupported
 from titan_kimi.training.kernel_prewarm import FlaPrewarm
 from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.exit_codes import run_cli
@@ -140,7 +142,8 @@ class Trainer:
         # Every validation starts from the first batch, so runs that stop at validation.steps stay comparable.
         self.validation_start = self.validation_loader.state_dict() if self.validation_loader else None
         self.step = 0
-        self.prewarm: FlaPrewarm | None = None  # main() hands over the one it started
+        self.prewarm: FlaPrewarm | None = None  # main() hands over the ones it started
+        self.module_prewarm: ModulePrewarm | None = None
         self.checkpointer = CheckpointManager.from_config(cfg.checkpoint, cfg.job.dump_folder)
         self.train_state = training_state(self.model_parts, self.optimizer.optimizers, self.lr_scheduler,
                                           self.dataloader)
@@ -423,6 +426,8 @@ class Trainer:
         gc.disable()
         data_iter = iter(self.dataloader)
         stop = StopRequest(self.device).install()  # SIGTERM/SIGINT: finish the step, save, exit 128 + signal
+        if self.module_prewarm is not None:  # their graphs are in Inductor's cache before the first step needs them
+            self.module_prewarm.wait(timeout_s=900)
         compiles = CompileReport()
         try:
             while self.step < cfg.training.steps:
@@ -481,15 +486,22 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
     resolved = configure_kernels(cfg.kernels)
     logger.info("kernels: %s", describe_kernels(resolved))
+    modules = ModulePrewarm()
+    if cfg.compile.prewarm_modules:
+        if (reason := prewarm_unsupported(cfg, layout, image_text=is_image_text(cfg))) is not None:
+            raise ValueError(f"compile.prewarm_modules = true {reason}")
+        modules.start(args, cfg, sys.argv[1:] if argv is None else argv)
     prewarm = FlaPrewarm()  # started before the model is built, so its compiles overlap the build and Dynamo's
-    prewarm.start(args, cfg, pick_device(env), kda_backend=resolved["kda"], context_parallel=layout.cp,
-                  local_rank=env.local_rank)
+    if not modules.processes:  # a KDA layer's module prewarm runs the op at this shape itself
+        prewarm.start(args, cfg, pick_device(env), kda_backend=resolved["kda"], context_parallel=layout.cp,
+                      local_rank=env.local_rank)
     try:
         trainer = Trainer(cfg, args, layout, env)
     except BaseException:
         prewarm.finish(stop=True)
+        modules.wait(timeout_s=0)
         raise
-    trainer.prewarm = prewarm
+    trainer.prewarm, trainer.module_prewarm = prewarm, modules
     try:
         if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
             from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
@@ -499,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     finally:
         prewarm.finish(stop=True)
+        modules.wait(timeout_s=0)  # nothing left unless training failed before its first step
         trainer.close()
         destroy()
     return 0

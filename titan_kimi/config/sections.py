@@ -193,6 +193,10 @@ class Compile:
         "block", "what one compiled region is: block = a whole decoder block (most fusion; one graph per block "
         "variant), module = a block's norms, attention and FFN apart (one graph per module kind: a shorter "
         "first step)", choices=("block", "module"))
+    prewarm_modules: bool = option(
+        False, "with granularity = module in a single-process text run: compile each attention and FFN kind in "
+        "its own background process at launch, the first step waiting for them and then loading their graphs "
+        "from Inductor's cache instead of compiling them one after another")
     components: list[str] = option(
         ["model"], "what to compile: model = every decoder block, loss = the head's fused linear cross-entropy",
         choices=("model", "loss"))
@@ -220,7 +224,8 @@ Kernels = make_dataclass("Kernels", [
     ("prewarm_fla", bool, option(
         True,
         "with kda = fla on a GPU: compile FLA's KDA kernels at this run's shape in a background process at "
-        "launch, so the first step loads them from Triton's cache; false = they compile inside the first step")),
+        "launch, so the first step loads them from Triton's cache (not needed, so not started, with "
+        "compile.prewarm_modules); false = they compile inside the first step")),
 ])
 
 

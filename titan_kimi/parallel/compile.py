@@ -83,8 +83,13 @@ def _compiled_regions(block: torch.nn.Module, granularity: str, experts_outside:
         return _moe_block_parts(inner)
     if granularity == "block":
         return [block]
-    ffn = inner.moe if inner.moe_enabled else inner.feed_forward
-    return [inner.attention_norm, inner.attention, inner.ffn_norm, ffn]
+    return module_regions(inner)
+
+
+def module_regions(block: torch.nn.Module) -> list[torch.nn.Module]:
+    """The regions ``granularity = module`` compiles in a decoder block: attention norm, attention, FFN norm, FFN."""
+    ffn = block.moe if block.moe_enabled else block.feed_forward
+    return [block.attention_norm, block.attention, block.ffn_norm, ffn]
 
 
 def _moe_block_parts(block: torch.nn.Module) -> list[torch.nn.Module]:

@@ -32,6 +32,8 @@ def _torch_compile_seconds() -> dict[str, float]:
         return {}
     phases = dict(calculate_time_spent())
     phases["graphs"] = float(counters["stats"].get("unique_graphs", 0))
+    phases["cache_hits"] = float(counters["inductor"].get("fxgraph_cache_hit", 0))
+    phases["cache_misses"] = float(counters["inductor"].get("fxgraph_cache_miss", 0))
     return phases
 
 
@@ -105,7 +107,8 @@ class CompileReport:
                 f"(Dynamo frames {delta.get('entire_frame_compile', 0.0):.1f} s, their Inductor compiles "
                 f"{delta.get('inductor_compile', 0.0):.1f} s of it, waiting on kernel workers "
                 f"{delta.get('async_compile.wait', 0.0):.1f} s of that; lazily compiled backwards "
-                f"{delta.get('entire_backward_compile', 0.0):.1f} s)")
+                f"{delta.get('entire_backward_compile', 0.0):.1f} s; Inductor's graph cache "
+                f"{int(delta.get('cache_hits', 0))} hits, {int(delta.get('cache_misses', 0))} misses)")
         if kernels:
             parts.append(f"Triton JIT in this process {seconds:.1f} s over {kernels} kernels")
         if len(parts) > 1:  # something compiled: say what the remainder was
