@@ -427,7 +427,7 @@ class Trainer:
         data_iter = iter(self.dataloader)
         stop = StopRequest(self.device).install()  # SIGTERM/SIGINT: finish the step, save, exit 128 + signal
         if self.module_prewarm is not None:  # their graphs are in Inductor's cache before the first step needs them
-            self.module_prewarm.wait(timeout_s=900)
+            self.module_prewarm.wait(timeout_s=600)
         compiles = CompileReport()
         try:
             while self.step < cfg.training.steps:
