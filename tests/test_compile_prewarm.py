@@ -68,3 +68,31 @@ def test_the_first_step_loads_every_graph_the_processes_compiled(tmp_path):
     assert len(re.findall(r"compile\.prewarm_modules: layer \d+ \w+ compiled in", log)) == 5, log[-3000:]
     hits, misses = map(int, re.search(r"Inductor's graph cache (\d+) hits, (\d+) misses", log).groups())
     assert misses == 0 and hits == 14  # 7 graphs (5 kinds, two of them in a second dtype), forward and backward
+
+
+def fake(code: str):
+    import tempfile
+
+    output = tempfile.TemporaryFile(mode="w+")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=output, stderr=subprocess.STDOUT, text=True), output
+
+
+def test_wait_logs_each_outcome(caplog):
+    import logging
+
+    from titan_kimi.training.compile_prewarm import RESULT_PREFIX, ModulePrewarm
+
+    prewarm = ModulePrewarm()
+    cases = {"layer 0 attention": f"print({RESULT_PREFIX!r} + 'layer 0 attention compiled in 1.0 s'); print('I torch log')",
+             "layer 0 ffn": "import sys; print('CUDA out of memory'); sys.exit(1)",
+             "layer 3 attention": "import time; time.sleep(60)"}
+    for name, code in cases.items():
+        prewarm.processes.append((name, *fake(code)))
+    prewarm.processes[0][1].wait(timeout=60)
+    prewarm.processes[1][1].wait(timeout=60)
+    with caplog.at_level(logging.INFO, logger="titan_kimi"):
+        prewarm.wait(timeout_s=0)
+    assert "compile.prewarm_modules: layer 0 attention compiled in 1.0 s" in caplog.text
+    assert "layer 0 ffn failed (exit 1; the first step compiles it itself): CUDA out of memory" in caplog.text
+    assert "layer 3 attention stopped before it finished" in caplog.text
+    assert prewarm.processes == []
