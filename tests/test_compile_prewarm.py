@@ -83,7 +83,8 @@ def test_wait_logs_each_outcome(caplog):
     from titan_kimi.training.compile_prewarm import RESULT_PREFIX, ModulePrewarm
 
     prewarm = ModulePrewarm()
-    cases = {"layer 0 attention": f"print({RESULT_PREFIX!r} + 'layer 0 attention compiled in 1.0 s'); print('I torch log')",
+    done = f"print({RESULT_PREFIX!r} + 'layer 0 attention compiled in 1.0 s'); print('I torch log')"
+    cases = {"layer 0 attention": done,
              "layer 0 ffn": "import sys; print('CUDA out of memory'); sys.exit(1)",
              "layer 3 attention": "import time; time.sleep(60)"}
     for name, code in cases.items():
