@@ -6,7 +6,8 @@
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
-#   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipe_spread
+#   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipes_prewarm
+#   (the same with compile.prewarm_modules), recipe_spread
 #   (two eager runs of the k3_small recipe compared with it as shipped), eager_variant (the k3_small recipe eager with
 #   kernels.causal_attention = sdpa: how far an exact kernel change moves the loss curve), recipes_fp32 (both recipes with fp32 master
 #   weights, from empty caches), flex_tests
@@ -148,6 +149,10 @@ fi
 if want recipes; then
   recipe train_configs/k3_small.toml k3_small_recipe cold
   recipe train_configs/k31_small.toml k31_small_recipe cold
+fi
+if want recipes_prewarm; then  # both recipes with compile.prewarm_modules (module kinds compiled side by side)
+  recipe train_configs/k3_small.toml k3_small_recipe_prewarm cold --compile.prewarm_modules true
+  recipe train_configs/k31_small.toml k31_small_recipe_prewarm cold --compile.prewarm_modules true
 fi
 if want recipe_spread; then  # two eager runs of the k3_small recipe against it as shipped: the loss tolerance
   recipe train_configs/k3_small.toml k3_small_eager_a eager --compile.mode none
