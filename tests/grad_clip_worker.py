@@ -42,6 +42,9 @@ def main() -> None:
     check(init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",)), [Shard(0)], "fsdp2")
     check(init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")), [Replicate(), Shard(0)], "hsdp2x1")
     check(init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")), [Replicate(), Shard(0)], "hsdp1x2")
+    # Both ranks done before either tears gloo down: under a loaded CI machine one rank's teardown while the
+    # other still held the meshes' groups aborted it once ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
