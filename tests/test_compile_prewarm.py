@@ -70,17 +70,11 @@ def test_the_first_step_loads_every_graph_the_processes_compiled(tmp_path):
     assert misses == 0 and hits == 14  # 7 graphs (5 kinds, two of them in a second dtype), forward and backward
 
 
-def fake(code: str):
-    import tempfile
-
-    output = tempfile.TemporaryFile(mode="w+")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=output, stderr=subprocess.STDOUT, text=True), output
-
-
 def test_wait_logs_each_outcome(caplog):
     import logging
 
     from titan_kimi.training.compile_prewarm import RESULT_PREFIX, ModulePrewarm
+    from titan_kimi.training.helper_process import HelperProcess
 
     prewarm = ModulePrewarm()
     done = f"print({RESULT_PREFIX!r} + 'layer 0 attention compiled in 1.0 s'); print('I torch log')"
@@ -88,9 +82,9 @@ def test_wait_logs_each_outcome(caplog):
              "layer 0 ffn": "import sys; print('CUDA out of memory'); sys.exit(1)",
              "layer 3 attention": "import time; time.sleep(60)"}
     for name, code in cases.items():
-        prewarm.processes.append((name, *fake(code)))
-    prewarm.processes[0][1].wait(timeout=60)
-    prewarm.processes[1][1].wait(timeout=60)
+        prewarm.processes.append(HelperProcess(name, [sys.executable, "-c", code]))
+    prewarm.processes[0].popen.wait(timeout=60)
+    prewarm.processes[1].popen.wait(timeout=60)
     with caplog.at_level(logging.INFO, logger="titan_kimi"):
         prewarm.wait(timeout_s=0)
     assert "compile.prewarm_modules: layer 0 attention compiled in 1.0 s" in caplog.text

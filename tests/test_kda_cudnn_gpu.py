@@ -11,14 +11,12 @@ from lowerings.ops import kda
 from lowerings.ops.kda import BACKENDS
 from lowerings.ops.registry import configure_backends
 
+from test_kda_gpu import eager_and_compiled_kda, rel_err
+
 pytestmark = pytest.mark.gpu
 
 K = 128
 NAMES = ["q", "k", "v", "u", "beta", "A_log", "dt_bias"]
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.fixture
@@ -96,16 +94,7 @@ def test_cudnn_kda_under_inductor_matches_eager(backend):
     inputs = make_inputs(B, T, H, seed=1)
     cu = torch.tensor([0, 200, T, T], device="cuda", dtype=torch.int32)
     cot = torch.randn(B, T, H, K, device="cuda").bfloat16()
-
-    def fwd(*xs):
-        return kda(*xs[:5], scale=K**-0.5, A_log=xs[5], dt_bias=xs[6], lower_bound=-5.0, cu_seqlens=cu)[0]
-
-    outs = {}
-    for name, fn in (("eager", fwd), ("inductor", torch.compile(fwd, backend="inductor", fullgraph=True))):
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        o = fn(*leaves)
-        o.backward(cot)
-        outs[name] = (o.detach(), [x.grad for x in leaves])
+    outs = eager_and_compiled_kda(inputs, cu, cot)
     assert rel_err(outs["inductor"][0], outs["eager"][0]) < 1e-2
     for name, a, b in zip(NAMES, outs["inductor"][1], outs["eager"][1]):
         assert rel_err(a, b) < 1e-2, name

@@ -20,6 +20,23 @@ def k3_kda_inputs(B, T, H, K):
                 torch.empty(H, device="cuda").uniform_(1, 16).log(), torch.randn(H * K, device="cuda") * 0.1]
 
 
+def eager_and_compiled_kda(inputs, cu, cot):
+    """{"eager" | "inductor": (o, input grads)} of the selected kda backend, eager and under a fullgraph compile,
+    on ``inputs`` = q, k, v, u, beta, A_log, dt_bias (head dim from q) with the cotangent ``cot``."""
+    K = inputs[0].shape[-1]
+
+    def run(*xs):
+        return kda(*xs[:5], scale=K**-0.5, A_log=xs[5], dt_bias=xs[6], lower_bound=-5.0, cu_seqlens=cu)[0]
+
+    outs = {}
+    for name, fn in (("eager", run), ("inductor", torch.compile(run, backend="inductor", fullgraph=True))):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        o = fn(*leaves)
+        o.backward(cot)
+        outs[name] = (o.detach(), [x.grad for x in leaves])
+    return outs
+
+
 @pytest.fixture
 def backend():
     yield configure_backends
@@ -57,16 +74,7 @@ def test_fla_kda_under_inductor_matches_eager(backend):
     mk, inputs = k3_kda_inputs(B, T, H, K)
     cu = torch.tensor([0, 200, T], device=dev, dtype=torch.int32)
     cot = mk(B, T, H, K)
-
-    def run(*xs):
-        return kda(*xs[:5], scale=K**-0.5, A_log=xs[5], dt_bias=xs[6], lower_bound=-5.0, cu_seqlens=cu)[0]
-
-    outs = {}
-    for name, fn in (("eager", run), ("inductor", torch.compile(run, backend="inductor", fullgraph=True))):
-        leaves = [x.detach().clone().requires_grad_() for x in inputs]
-        o = fn(*leaves)
-        o.backward(cot)
-        outs[name] = (o.detach(), [x.grad for x in leaves])
+    outs = eager_and_compiled_kda(inputs, cu, cot)
     assert rel_err(outs["inductor"][0], outs["eager"][0]) < 1e-2
     for a, b in zip(outs["inductor"][1], outs["eager"][1]):
         assert rel_err(a, b) < 1e-2

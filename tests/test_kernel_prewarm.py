@@ -51,7 +51,7 @@ def test_outcome_is_logged_when_the_process_ends(monkeypatch, caplog, code, expe
     prewarm = FlaPrewarm()
     assert prewarm.start(model_args_for("k3_small"), config(), torch.device("cuda"), kda_backend="fla",
                          context_parallel=1, local_rank=0)
-    prewarm.process.wait(timeout=60)
+    prewarm.process.popen.wait(timeout=60)
     with caplog.at_level(logging.INFO, logger="titan_kimi"):
         prewarm.finish(stop=False)
     assert expected in caplog.text and prewarm.process is None
@@ -64,7 +64,7 @@ def test_a_running_process_is_left_alone_then_stopped_at_exit(monkeypatch, caplo
     prewarm.start(model_args_for("k3_small"), config(), torch.device("cuda"), kda_backend="fla",
                   context_parallel=1, local_rank=0)
     prewarm.finish(stop=False)
-    assert prewarm.process is not None and prewarm.process.poll() is None
+    assert prewarm.process is not None and prewarm.process.popen.poll() is None
     with caplog.at_level(logging.INFO, logger="titan_kimi"):
         prewarm.finish(stop=True)
     assert "stopped before it finished" in caplog.text

@@ -22,9 +22,8 @@ import torch
 from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_checkpoint, export_hf_stages,
                                    load_model_weights, training_state)
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
-from titan_kimi.data import IGNORE_INDEX, build_dataloader
+from titan_kimi.data import IGNORE_INDEX
 from titan_kimi.data.causal_keys import longest_document
-from titan_kimi.data.image_processor import ImageProcessor
 from titan_kimi.lora import load_adapters, merged_tensors, save_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.models.kimi_k3.multimodal import VISION_PREFIXES, KimiK3VLModel
@@ -36,10 +35,11 @@ from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.compile_report import CompileReport
-from titan_kimi.training.compile_prewarm import ModulePrewarm, is_image_text
+from titan_kimi.training.compile_prewarm import ModulePrewarm
 from titan_kimi.training.compile_prewarm import unsupported as prewarm_unsupported
 from titan_kimi.training.kernel_prewarm import FlaPrewarm
-from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.build import (build_model_from_config, dataloader_from_config, model_args_from_config,
+                                      tokenizer_from_config, vision_args_from_config)
 from titan_kimi.training.exit_codes import run_cli
 from titan_kimi.training.kernels import configure_kernels, import_backend_libraries
 from titan_kimi.training.kernels import describe as describe_kernels
@@ -233,21 +233,9 @@ class Trainer:
         return ImageSlots.for_datasets(self.vision.media_placeholder_token_id, datasets) if datasets else None
 
     def _build_dataloader(self, path: str, *, seed: int, shuffle: bool, infinite: bool = True, split: str = "train"):
-        dataset, data = self.cfg.data.dataset, self.cfg.data
-        processor = None
-        if dataset == "medpix":
-            if self.vision is None:
-                raise ValueError(f"data.dataset = 'medpix' needs an image-text model, but model.hf_config_path = "
-                                 f"{self.cfg.model.hf_config_path!r} has no vision_config; set model.vision_flavor")
-            processor = ImageProcessor(patch_size=self.vision.patch_size, merge_kernel=self.vision.merge_kernel,
-                                       min_pixels=data.image_min_pixels, max_pixels=data.image_max_pixels)
-        t = self.cfg.training
-        return build_dataloader(
-            dataset, path or None, self.tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
-            dp_rank=self.dp_rank, dp_world_size=self.dp, seed=seed,
-            shuffle=shuffle, infinite=infinite, vocab_size=self.args.vocab_size, split=split,
-            image_processor=processor,
-        )
+        return dataloader_from_config(self.cfg, self.args, self.tokenizer, path, vision=self.vision, seed=seed,
+                                      shuffle=shuffle, dp_rank=self.dp_rank, dp_world_size=self.dp,
+                                      infinite=infinite, split=split)
 
     def _build_validation_loader(self):
         """One pass over the validation data per ``iter()``; built once (tokenising is the expensive part)."""
@@ -465,7 +453,8 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = load_job_config(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = load_job_config(argv)
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     if cfg.job.description:
@@ -488,32 +477,30 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("kernels: %s", describe_kernels(resolved))
     modules = ModulePrewarm()
     if cfg.compile.prewarm_modules:
-        if (reason := prewarm_unsupported(cfg, layout, image_text=is_image_text(cfg))) is not None:
+        image_text = vision_args_from_config(cfg, tokenizer_from_config(cfg, args)) is not None
+        if (reason := prewarm_unsupported(cfg, layout, image_text=image_text)) is not None:
             raise ValueError(f"compile.prewarm_modules = true {reason}")
-        modules.start(args, cfg, sys.argv[1:] if argv is None else argv)
+        modules.start(args, cfg, argv)
     prewarm = FlaPrewarm()  # started before the model is built, so its compiles overlap the build and Dynamo's
     if not modules.processes:  # a KDA layer's module prewarm runs the op at this shape itself
         prewarm.start(args, cfg, pick_device(env), kda_backend=resolved["kda"], context_parallel=layout.cp,
                       local_rank=env.local_rank)
     try:
         trainer = Trainer(cfg, args, layout, env)
-    except BaseException:
+        trainer.prewarm, trainer.module_prewarm = prewarm, modules
+        try:
+            if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
+                from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
+
+                logger.info(prepare_fla_configs())
+            import_backend_libraries(resolved)
+            trainer.train()
+        finally:
+            trainer.close()
+            destroy()
+    finally:  # reap the prewarm processes (the module ones are running still only if the run failed early)
         prewarm.finish(stop=True)
         modules.wait(timeout_s=0)
-        raise
-    trainer.prewarm, trainer.module_prewarm = prewarm, modules
-    try:
-        if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
-            from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
-
-            logger.info(prepare_fla_configs())
-        import_backend_libraries(resolved)
-        trainer.train()
-    finally:
-        prewarm.finish(stop=True)
-        modules.wait(timeout_s=0)  # nothing left unless training failed before its first step
-        trainer.close()
-        destroy()
     return 0
 
 

@@ -112,3 +112,26 @@ def build_model_from_config(cfg, args: KimiK3ModelArgs, tokenizer: KimiTokenizer
     )
     model.dsa_dense_shortcut = cfg.model.dsa_dense_shortcut
     return model
+
+
+def dataloader_from_config(cfg, args: KimiK3ModelArgs, tokenizer: KimiTokenizer, path: str, *,
+                           vision: KimiK3VisionArgs | None, seed: int, shuffle: bool, dp_rank: int = 0,
+                           dp_world_size: int = 1, infinite: bool = True, split: str = "train"):
+    """The ``[data]`` section's loader of ``path`` ("" = the bundled sample) for one data-parallel rank; MedPix
+    gets the image processor of the model's tower (``vision``)."""
+    from titan_kimi.data import build_dataloader
+    from titan_kimi.data.image_processor import ImageProcessor
+
+    data, t = cfg.data, cfg.training
+    processor = None
+    if data.dataset == "medpix":
+        if vision is None:
+            raise ValueError(f"data.dataset = 'medpix' needs an image-text model, but model.hf_config_path = "
+                             f"{cfg.model.hf_config_path!r} has no vision_config; set model.vision_flavor")
+        processor = ImageProcessor(patch_size=vision.patch_size, merge_kernel=vision.merge_kernel,
+                                   min_pixels=data.image_min_pixels, max_pixels=data.image_max_pixels)
+    return build_dataloader(
+        data.dataset, path or None, tokenizer, seq_len=t.seq_len, local_batch_size=t.local_batch_size,
+        dp_rank=dp_rank, dp_world_size=dp_world_size, seed=seed, shuffle=shuffle, infinite=infinite,
+        vocab_size=args.vocab_size, split=split, image_processor=processor,
+    )

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.training.helper_process import HelperProcess
 
 logger = logging.getLogger("titan_kimi")
 
@@ -57,16 +55,6 @@ def prewarm_kinds(args: KimiK3ModelArgs, *, stored: torch.dtype, compute: torch.
     return kinds
 
 
-def _first_batch(cfg, args, tokenizer) -> dict:
-    from titan_kimi.data import build_dataloader
-
-    t, data = cfg.training, cfg.data
-    loader = build_dataloader(data.dataset, data.path or None, tokenizer, seq_len=t.seq_len,
-                              local_batch_size=t.local_batch_size, dp_rank=0, dp_world_size=1, seed=cfg.job.seed,
-                              shuffle=data.shuffle, infinite=True, vocab_size=args.vocab_size, split="train")
-    return next(iter(loader))
-
-
 def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     """Compile and run layer ``layer``'s ``part`` modules as the trainer will; returns a line for the log."""
     from lowerings.inductor.modes import compile_mode
@@ -74,7 +62,8 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     from titan_kimi.data.causal_keys import longest_document
     from titan_kimi.parallel.compile import module_regions
     from titan_kimi.parallel.parallelize import mixed_precision_dtype
-    from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+    from titan_kimi.training.build import (build_model_from_config, dataloader_from_config, model_args_from_config,
+                                          tokenizer_from_config)
     from titan_kimi.training.kernels import configure_kernels, import_backend_libraries
 
     if part not in PARTS:
@@ -101,7 +90,10 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     options = spec.compile_options()
     norm.compile(fullgraph=cfg.compile.fullgraph, **options)
     module.compile(fullgraph=cfg.compile.fullgraph, **options)
-    batch = _first_batch(cfg, args, tokenizer)
+    # the trainer's first batch (same loader, seed and order): its document count sets cu_seqlens' shape
+    loader = dataloader_from_config(cfg, args, tokenizer, cfg.data.path, vision=None, seed=cfg.job.seed,
+                                    shuffle=cfg.data.shuffle)
+    batch = next(iter(loader))
     B, S = batch["input_ids"].shape
     doc_ids = batch["doc_ids"].to(device)
     seq = model.build_sequence(B, S, device, doc_ids)
@@ -121,17 +113,6 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     return f"layer {layer} {part} compiled in {time.perf_counter() - t0:.1f} s"
 
 
-def is_image_text(cfg) -> bool:
-    """Whether the job's model has a vision tower (``model.vision_flavor``, or a vision_config in its HF config)."""
-    if cfg.model.vision_flavor:
-        return True
-    if not cfg.model.hf_config_path:
-        return False
-    from titan_kimi.checkpoint.hf_config import read_hf_config
-
-    return "vision_config" in read_hf_config(cfg.model.hf_config_path)
-
-
 def unsupported(cfg, layout, *, image_text: bool) -> str | None:
     """Why this run cannot prewarm its modules (None when it can), as the end of a sentence."""
     c = cfg.compile
@@ -149,50 +130,32 @@ class ModulePrewarm:
     """One background process per module kind (`start`); `wait` before the first step logs each outcome."""
 
     def __init__(self) -> None:
-        self.processes: list[tuple[str, subprocess.Popen, object]] = []
+        self.processes: list[HelperProcess] = []
 
     def start(self, args: KimiK3ModelArgs, cfg, job_argv: list[str]) -> int:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
-            env.pop(name, None)  # not a rank of the job
         from titan_kimi.parallel.parallelize import mixed_precision_dtype
 
         stored = DTYPES[cfg.model.dtype]
         for layer, part in prewarm_kinds(args, stored=stored, compute=mixed_precision_dtype(cfg) or stored):
-            output = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: never blocks on a full pipe
             command = [sys.executable, "-m", "titan_kimi.training.compile_prewarm", "--layer", str(layer),
                        "--part", part, "--", *job_argv]
-            process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
-            self.processes.append((f"layer {layer} {part}", process, output))
+            self.processes.append(HelperProcess(f"layer {layer} {part}", command))
         logger.info("compile.prewarm_modules: compiling %s in %d processes",
-                    ", ".join(name for name, _, _ in self.processes), len(self.processes))
+                    ", ".join(p.name for p in self.processes), len(self.processes))
         return len(self.processes)
 
     def wait(self, timeout_s: float) -> None:
         """Wait for every process (stopping those still running after ``timeout_s``) and log each outcome."""
         deadline = time.monotonic() + timeout_s
-        for name, process, output in self.processes:
-            stopped = False
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-                stopped = True
-            output.seek(0)
-            lines = output.read().strip().splitlines()
-            output.close()
-            ours = [line for line in lines if line.startswith(RESULT_PREFIX)]  # torch may log to the same file
-            last = ours[-1][len(RESULT_PREFIX):] if ours else (lines[-1] if lines else "(no output)")
-            if stopped:
-                logger.info("compile.prewarm_modules: %s stopped before it finished", name)
-            elif process.returncode == 0:
-                logger.info("compile.prewarm_modules: %s", last)
+        for process in self.processes:
+            outcome = process.finish(deadline - time.monotonic(), result_prefix=RESULT_PREFIX)
+            if outcome.status == "stopped":
+                logger.info("compile.prewarm_modules: %s stopped before it finished", process.name)
+            elif outcome.status == "done":
+                logger.info("compile.prewarm_modules: %s", outcome.line)
             else:
                 logger.warning("compile.prewarm_modules: %s failed (exit %s; the first step compiles it itself): %s",
-                               name, process.returncode, last)
+                               process.name, outcome.returncode, outcome.line)
         self.processes = []
 
 

@@ -8,15 +8,13 @@ shares nothing with training but that cache, so its failure only costs the time 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
-import tempfile
 
 import torch
 
 from titan_kimi.config.sections import JobConfig
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.training.helper_process import HelperProcess
 
 logger = logging.getLogger("titan_kimi")
 
@@ -38,8 +36,7 @@ class FlaPrewarm:
     """Starts the prewarm process (`start`) and reaps it (`finish`: after the first step, and at exit)."""
 
     def __init__(self) -> None:
-        self.process: subprocess.Popen | None = None
-        self._output = None  # a file, not a pipe: a chatty process must never block on a full pipe
+        self.process: HelperProcess | None = None
 
     def start(self, args: KimiK3ModelArgs, cfg: JobConfig, device: torch.device, *, kda_backend: str,
               context_parallel: int, local_rank: int) -> bool:
@@ -49,40 +46,21 @@ class FlaPrewarm:
             return False
         if local_rank != 0 or not any(args.is_kda_layer(i) for i in range(args.n_layers)):
             return False
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(name, None)  # not a rank of the job
-        self._output = tempfile.TemporaryFile(mode="w+")
-        self.process = subprocess.Popen(prewarm_command(args, cfg, device), env=env, stdout=self._output,
-                                        stderr=subprocess.STDOUT, text=True)
-        logger.info("kernels.prewarm_fla: compiling FLA's KDA kernels in process %d", self.process.pid)
+        self.process = HelperProcess("fla", prewarm_command(args, cfg, device))
+        logger.info("kernels.prewarm_fla: compiling FLA's KDA kernels in process %d", self.process.popen.pid)
         return True
 
     def finish(self, *, stop: bool) -> None:
         """Log the outcome once the process has ended; a running one is left alone, or with ``stop`` (at exit)
-        terminated."""
-        if self.process is None:
+        stopped."""
+        if self.process is None or (not stop and self.process.running()):
             return
-        if self.process.poll() is None:
-            if not stop:
-                return
-            self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._output.seek(0)
-        output = self._output.read()
-        self._output.close()
-        lines = (output or "").strip().splitlines()
-        last = lines[-1] if lines else "(no output)"
-        if self.process.returncode == 0:
-            logger.info("kernels.prewarm_fla: %s", last)
-        elif self.process.returncode < 0:
-            logger.info("kernels.prewarm_fla: stopped before it finished (signal %d)", -self.process.returncode)
+        outcome = self.process.finish(timeout_s=0)
+        self.process = None
+        if outcome.status == "done":
+            logger.info("kernels.prewarm_fla: %s", outcome.line)
+        elif outcome.status == "stopped":
+            logger.info("kernels.prewarm_fla: stopped before it finished")
         else:
             logger.warning("kernels.prewarm_fla failed (exit %d; the first step compiled FLA's kernels itself): %s",
-                           self.process.returncode, last)
-        self.process = None
+                           outcome.returncode, outcome.line)
