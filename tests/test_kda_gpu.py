@@ -132,6 +132,7 @@ def test_fla_kda_replays_in_a_cuda_graph_across_document_layouts(backend):
             o.backward(cot)
             bound = 1e-5 if name == "fla" else 2e-2  # same kernels: the replay equals an eager call
             assert rel_err(replayed[0], o) < (1e-5 if name == "fla" else 1e-2), (bounds, name)
-            for label, a, b in zip(["q", "k", "v", "u", "beta", "A_log", "dt_bias"], replayed[1], [x.grad for x in fresh]):
+            names = ["q", "k", "v", "u", "beta", "A_log", "dt_bias"]
+            for label, a, b in zip(names, replayed[1], [x.grad for x in fresh]):
                 assert rel_err(a, b) < bound, (bounds, name, label)
         backend({"kda": "fla"})

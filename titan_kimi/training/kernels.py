@@ -30,7 +30,8 @@ def describe(resolved: dict[str, Any]) -> str:
 
 # The libraries behind backends that import lazily, at their first call.
 _BACKEND_MODULES = {
-    ("kda", "fla"): ("fla.modules.norm.l2norm", "fla.ops.kda.chunk_fwd", "fla.ops.kda.chunk_bwd", "fla.ops.utils.index"),
+    ("kda", "fla"): ("fla.modules.norm.l2norm", "fla.ops.kda.chunk_fwd", "fla.ops.kda.chunk_bwd",
+                     "fla.ops.utils.index"),
     ("linear_cross_entropy", "liger"): ("liger_kernel.ops.fused_linear_cross_entropy",),
 }
 
