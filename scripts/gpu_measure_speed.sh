@@ -2,12 +2,13 @@
 # One-H200 speed measurements (issue 17) in parts, each archived into $OUT/all.tgz as it ends, so a call cut short
 # still returns what finished. "before" runs the tree unpacked in .before/ (`git archive <commit>`), "after" this one.
 #   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
-#   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s)
+#   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s);
+#   KDA_SHAPES / KDA_LAYOUTS: bench_kda.py's --shapes / --layouts (default "k3_small k3" / "docs_padded one_doc_padded")
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipes_prewarm
-#   (the same with compile.prewarm_modules), recipe_spread
+#   (the same with compile.prewarm_modules), k3_small_prewarm (only its k3_small run), recipe_spread
 #   (two eager runs of the k3_small recipe compared with it as shipped), eager_variant (the k3_small recipe eager with
 #   kernels.causal_attention = sdpa: how far an exact kernel change moves the loss curve), recipes_fp32 (both recipes with fp32 master
 #   weights, from empty caches), flex_tests
@@ -154,6 +155,9 @@ if want recipes_prewarm; then  # both recipes with compile.prewarm_modules (modu
   recipe train_configs/k3_small.toml k3_small_recipe_prewarm cold --compile.prewarm_modules true
   recipe train_configs/k31_small.toml k31_small_recipe_prewarm cold --compile.prewarm_modules true
 fi
+if want k3_small_prewarm; then  # only the k3_small recipe with compile.prewarm_modules
+  recipe train_configs/k3_small.toml k3_small_recipe_prewarm cold --compile.prewarm_modules true
+fi
 if want recipe_spread; then  # two eager runs of the k3_small recipe against it as shipped: the loss tolerance
   recipe train_configs/k3_small.toml k3_small_eager_a eager --compile.mode none
   recipe train_configs/k3_small.toml k3_small_eager_b eager --compile.mode none
@@ -185,7 +189,8 @@ if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fl
     > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
 fi
 if want cudnn_kda || want cudnn_kda_bench; then  # cudnn_kda_bench: the speed part alone (its own call)
-  timeout "$(want cudnn_kda_bench && echo 500 || echo 170)" python3 scripts/bench_kda.py --shapes k3_small k3 --layouts docs_padded one_doc_padded \
+  timeout "$(want cudnn_kda_bench && echo 500 || echo 170)" python3 scripts/bench_kda.py \
+    --shapes ${KDA_SHAPES:-k3_small k3} --layouts ${KDA_LAYOUTS:-docs_padded one_doc_padded} \
     --out "$OUT/bench_kda.json" > "$OUT/bench_kda.md" 2>&1
   step bench_kda $?; tail -24 "$OUT/bench_kda.md"
 fi
