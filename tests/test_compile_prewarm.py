@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from titan_kimi.models.kimi_k3 import model_args_for
-from titan_kimi.training.compile_prewarm import compile_threads_each, input_dtype, prewarm_kinds, unsupported
+from titan_kimi.training.compile_prewarm import input_dtype, prewarm_kinds, unsupported
 
 ROOT = Path(__file__).resolve().parents[1]
 F32, BF16 = torch.float32, torch.bfloat16
@@ -91,12 +91,3 @@ def test_wait_logs_each_outcome(caplog):
     assert "layer 0 ffn failed (exit 1; the first step compiles it itself): CUDA out of memory" in caplog.text
     assert "layer 3 attention stopped before it finished" in caplog.text
     assert prewarm.processes == []
-
-
-def test_kernel_workers_are_shared_out_unless_the_user_chose(monkeypatch):
-    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert compile_threads_each(4) == {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
-    assert compile_threads_each(32) == {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "8")
-    assert compile_threads_each(4) == {}

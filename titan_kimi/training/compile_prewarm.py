@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
@@ -127,16 +126,6 @@ def unsupported(cfg, layout, *, image_text: bool) -> str | None:
     return None
 
 
-def compile_threads_each(processes: int) -> dict[str, str]:
-    """Inductor's kernel-worker count for each of ``processes`` helpers: the machine's cores shared out (each
-    process otherwise starts a pool of one worker per core, and the pools' start-up alone competes with the
-    compiles); nothing when the user set ``TORCHINDUCTOR_COMPILE_THREADS``."""
-    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ or processes < 1:
-        return {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cores // processes))}
-
-
 class ModulePrewarm:
     """One background process per module kind (`start`); `wait` before the first step logs each outcome."""
 
@@ -147,15 +136,12 @@ class ModulePrewarm:
         from titan_kimi.parallel.parallelize import mixed_precision_dtype
 
         stored = DTYPES[cfg.model.dtype]
-        kinds = prewarm_kinds(args, stored=stored, compute=mixed_precision_dtype(cfg) or stored)
-        threads = compile_threads_each(len(kinds))
-        for layer, part in kinds:
+        for layer, part in prewarm_kinds(args, stored=stored, compute=mixed_precision_dtype(cfg) or stored):
             command = [sys.executable, "-m", "titan_kimi.training.compile_prewarm", "--layer", str(layer),
                        "--part", part, "--", *job_argv]
-            self.processes.append(HelperProcess(f"layer {layer} {part}", command, extra_env=threads))
-        logger.info("compile.prewarm_modules: compiling %s in %d processes%s",
-                    ", ".join(p.name for p in self.processes), len(self.processes),
-                    f" ({threads['TORCHINDUCTOR_COMPILE_THREADS']} kernel workers each)" if threads else "")
+            self.processes.append(HelperProcess(f"layer {layer} {part}", command))
+        logger.info("compile.prewarm_modules: compiling %s in %d processes",
+                    ", ".join(p.name for p in self.processes), len(self.processes))
         return len(self.processes)
 
     def wait(self, timeout_s: float) -> None:

@@ -29,9 +29,8 @@ class HelperProcess:
     """``command`` started now, with this checkout importable and the job's rank variables removed; its output goes
     to a temporary file, not a pipe, so a chatty helper never blocks on a full pipe."""
 
-    def __init__(self, name: str, command: list[str], extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, command: list[str]) -> None:
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
-        env.update(extra_env or {})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))
         self.name = name
         self._output = tempfile.TemporaryFile(mode="w+")
