@@ -2,7 +2,7 @@
 # One-H200 speed measurements (issue 17) in parts, each archived into $OUT/all.tgz as it ends, so a call cut short
 # still returns what finished. "before" runs the tree unpacked in .before/ (`git archive <commit>`), "after" this one.
 #   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
-#   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s); TESTS_TIMEOUT (s, the tests part);
+#   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s); TESTS_TIMEOUT (s) and TEST_FILES (a subset) for the tests part;
 #   KDA_SHAPES / KDA_LAYOUTS: bench_kda.py's --shapes / --layouts (default "k3_small k3" / "docs_padded one_doc_padded")
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
@@ -83,6 +83,7 @@ if want tests; then
   tests=(tests/test_moe_gpu.py tests/test_linear_cross_entropy_gpu.py tests/test_optimizer.py
          tests/test_dsa_dense_shortcut_gpu.py tests/test_triton_kernels.py tests/test_vision_lora_gpu.py
          tests/test_kernel_prewarm_gpu.py)
+  [ -n "${TEST_FILES:-}" ] && read -r -a tests <<< "$TEST_FILES"  # a subset (e.g. the rest of a cut-off run)
   timeout -s INT -k 20 "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu --kernels-triton-autotune false "${tests[@]}" \
     -v -rs -rf --durations=20 > "$OUT/pytest_gpu.log" 2>&1
   step pytest $?; tail -4 "$OUT/pytest_gpu.log"
