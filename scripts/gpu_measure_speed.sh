@@ -2,7 +2,8 @@
 # One-H200 speed measurements (issue 17) in parts, each archived into $OUT/all.tgz as it ends, so a call cut short
 # still returns what finished. "before" runs the tree unpacked in .before/ (`git archive <commit>`), "after" this one.
 #   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
-#   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s); TESTS_TIMEOUT (s) and TEST_FILES (a subset) for the tests part;
+#   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s);
+#   TESTS_TIMEOUT (s) and TEST_FILES (a subset) for the tests part;
 #   KDA_SHAPES / KDA_LAYOUTS: bench_kda.py's --shapes / --layouts (default "k3_small k3" / "docs_padded one_doc_padded")
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
