@@ -65,8 +65,12 @@ def test_the_first_step_loads_every_graph_the_processes_compiled(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-3000:]
-    assert len(re.findall(r"compile\.prewarm_modules: layer \d+ \w+ compiled in", log)) == 5, log[-3000:]
-    hits, misses = map(int, re.search(r"Inductor's graph cache (\d+) hits, (\d+) misses", log).groups())
+    done = re.findall(r"compile\.prewarm_modules: layer \d+ \w+ compiled in .*", log)
+    assert len(done) == 5, log[-3000:]
+    assert all("set-up" in line and "torch.compile" in line and "misses)" in line for line in done), done
+    startup = re.search(r"startup: imports [\d.]+ s, .*waiting for compile\.prewarm_modules [\d.]+ s; .*", log)
+    assert startup is not None and "backend libraries" in startup[0], log[-3000:]
+    hits, misses = map(int, re.search(r"step 1 took .*Inductor's graph cache (\d+) hits, (\d+) misses", log).groups())
     assert misses == 0 and hits == 14  # 7 graphs (5 kinds, two of them in a second dtype), forward and backward
 
 

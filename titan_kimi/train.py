@@ -35,6 +35,7 @@ from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.training.compile_report import CompileReport
+from titan_kimi.training.startup_report import StartupClock
 from titan_kimi.training.compile_prewarm import ModulePrewarm
 from titan_kimi.training.compile_prewarm import unsupported as prewarm_unsupported
 from titan_kimi.training.kernel_prewarm import FlaPrewarm
@@ -144,6 +145,7 @@ class Trainer:
         self.step = 0
         self.prewarm: FlaPrewarm | None = None  # main() hands over the ones it started
         self.module_prewarm: ModulePrewarm | None = None
+        self.startup: StartupClock | None = None  # main() hands over its clock; train() logs it
         self.checkpointer = CheckpointManager.from_config(cfg.checkpoint, cfg.job.dump_folder)
         self.train_state = training_state(self.model_parts, self.optimizer.optimizers, self.lr_scheduler,
                                           self.dataloader)
@@ -414,8 +416,12 @@ class Trainer:
         gc.disable()
         data_iter = iter(self.dataloader)
         stop = StopRequest(self.device).install()  # SIGTERM/SIGINT: finish the step, save, exit 128 + signal
-        if self.module_prewarm is not None:  # their graphs are in Inductor's cache before the first step needs them
-            self.module_prewarm.wait(timeout_s=600)
+        if self.module_prewarm is not None and self.module_prewarm.processes:
+            self.module_prewarm.wait(timeout_s=600)  # their graphs are in Inductor's cache before the first step
+            if self.startup is not None:
+                self.startup.mark("waiting for compile.prewarm_modules")
+        if self.startup is not None and (line := self.startup.line()) is not None:
+            logger.info(line)
         compiles = CompileReport()
         try:
             while self.step < cfg.training.steps:
@@ -453,6 +459,8 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup = StartupClock()
+    startup.mark("imports")  # torch, torchtitan and this package, before main runs
     argv = sys.argv[1:] if argv is None else argv
     cfg = load_job_config(argv)
     env = DistEnv.from_environ()
@@ -485,15 +493,18 @@ def main(argv: list[str] | None = None) -> int:
     if not modules.processes:  # a KDA layer's module prewarm runs the op at this shape itself
         prewarm.start(args, cfg, pick_device(env), kda_backend=resolved["kda"], context_parallel=layout.cp,
                       local_rank=env.local_rank)
+    startup.mark("config, kernels and prewarm launch")
     try:
         trainer = Trainer(cfg, args, layout, env)
-        trainer.prewarm, trainer.module_prewarm = prewarm, modules
+        trainer.prewarm, trainer.module_prewarm, trainer.startup = prewarm, modules, startup
+        startup.mark("distributed set-up, model, data and optimizer")
         try:
             if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
                 from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
 
                 logger.info(prepare_fla_configs())
             import_backend_libraries(resolved)
+            startup.mark("backend libraries")
             trainer.train()
         finally:
             trainer.close()

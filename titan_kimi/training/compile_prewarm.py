@@ -23,6 +23,7 @@ import torch
 
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.training.compile_report import CompileReport, process_start_time
 from titan_kimi.training.helper_process import HelperProcess
 
 logger = logging.getLogger("titan_kimi")
@@ -69,6 +70,8 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     if part not in PARTS:
         raise ValueError(f"part = {part!r}; valid: {PARTS}")
     t0 = time.perf_counter()
+    started = process_start_time()
+    imports = f" after {time.time() - started:.1f} s of imports" if started is not None else ""
     cfg = load_job_config(job_argv)
     args = model_args_from_config(cfg)
     resolved = configure_kernels(cfg.kernels)
@@ -103,6 +106,7 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     dtype = input_dtype(args, layer, part, stored=stored, compute=autocast or stored)
     x = torch.randn(B, S, args.dim, device=device, dtype=dtype, requires_grad=True)
     context = (torch.autocast(device.type, dtype=autocast) if autocast else torch.autocast(device.type, enabled=False))
+    t_setup, report = time.perf_counter(), CompileReport()
     if spec.cudagraphs:
         torch.compiler.cudagraph_mark_step_begin()
     with context, spec.lowering_scope():
@@ -110,7 +114,12 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     out.float().square().mean().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return f"layer {layer} {part} compiled in {time.perf_counter() - t0:.1f} s"
+    # where its time went: the set-up (config, libraries, the layer, the batch), then the compile's own phases
+    done = time.perf_counter()
+    _, _, parts = report.since_last()
+    report.close()
+    return "; ".join([f"layer {layer} {part} compiled in {done - t0:.1f} s{imports} (set-up "
+                      f"{t_setup - t0:.1f} s, compile and run {done - t_setup:.1f} s)", *parts])
 
 
 def unsupported(cfg, layout, *, image_text: bool) -> str | None:

@@ -91,16 +91,26 @@ class CompileReport:
         self._triton = (0, 0.0)
 
     def line(self, step: int, step_seconds: float) -> str | None:
+        """The step's breakdown; None for a step after the first that compiled nothing."""
+        compiled, jit, parts = self.since_last()
+        if compiled < 0.5 and jit < 0.5 and step != 1:
+            return None
+        head = f"step {step} took {step_seconds:.1f} s"
+        if step == 1 and self.launched_at is not None:
+            head += f" (finished {time.time() - self.launched_at:.0f} s after this process started)"
+        if parts:  # something compiled: say what the remainder was
+            parts.append(f"the rest {step_seconds - compiled - jit:.1f} s (running, autotuning, CUDA-graph recording)")
+        return "; ".join([head, *parts])
+
+    def since_last(self) -> tuple[float, float, list[str]]:
+        """Seconds of torch.compile and of Triton JIT since the last call, and their description (empty when
+        nothing compiled)."""
         now_torch = _torch_compile_seconds()
         delta = {k: now_torch.get(k, 0.0) - self._torch.get(k, 0.0) for k in now_torch}
         kernels, seconds = self.triton.kernels - self._triton[0], self.triton.seconds - self._triton[1]
         self._torch, self._triton = now_torch, (self.triton.kernels, self.triton.seconds)
         compiled = delta.get("total_wall_time", 0.0)
-        if compiled < 0.5 and seconds < 0.5 and step != 1:
-            return None
-        parts = [f"step {step} took {step_seconds:.1f} s"]
-        if step == 1 and self.launched_at is not None:
-            parts[0] += f" (finished {time.time() - self.launched_at:.0f} s after this process started)"
+        parts = []
         if compiled > 0 or delta.get("graphs", 0) > 0:
             parts.append(
                 f"torch.compile {compiled:.1f} s over {int(delta.get('graphs', 0))} new graphs "
@@ -111,10 +121,7 @@ class CompileReport:
                 f"{int(delta.get('cache_hits', 0))} hits, {int(delta.get('cache_misses', 0))} misses)")
         if kernels:
             parts.append(f"Triton JIT in this process {seconds:.1f} s over {kernels} kernels")
-        if len(parts) > 1:  # something compiled: say what the remainder was
-            rest = step_seconds - compiled - seconds
-            parts.append(f"the rest {rest:.1f} s (running, autotuning, CUDA-graph recording)")
-        return "; ".join(parts)
+        return compiled, seconds, parts
 
     def close(self) -> None:
         self.triton.uninstall()
