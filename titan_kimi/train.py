@@ -34,6 +34,7 @@ from titan_kimi.parallel.fsdp import ReplicatedGradients
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
+from titan_kimi.training.compile_cache import use_compile_cache_dir
 from titan_kimi.training.compile_report import CompileReport
 from titan_kimi.training.startup_report import StartupClock
 from titan_kimi.training.compile_prewarm import ModulePrewarm
@@ -467,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(env.rank)
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
+    if cfg.compile.cache_dir and not cfg.job.dry_run:  # before anything compiles or a prewarm process starts
+        logger.info("compile.cache_dir: %s", ", ".join(f"{k}={v}" for k, v in
+                                                      use_compile_cache_dir(cfg.compile.cache_dir).items()))
     args = model_args_from_config(cfg)
     world_size = cfg.job.world_size or env.world_size
     if not cfg.job.world_size and "WORLD_SIZE" not in os.environ:

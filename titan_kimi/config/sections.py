@@ -201,6 +201,11 @@ class Compile:
     components: list[str] = option(
         ["model"], "what to compile: model = every decoder block, loss = the head's fused linear cross-entropy",
         choices=("model", "loss"))
+    cache_dir: str = option(
+        "", "a persistent folder for Inductor's and Triton's compile caches (its inductor/ and triton/ replace "
+        "TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR): a restart or another machine pointed at it loads the "
+        "compiled graphs and kernels instead of compiling them in the first step; \"\" = torch's and Triton's "
+        "defaults (under /tmp and ~/.triton)")
 
 
 # Keys of [kernels] that the trainer applies itself (titan_kimi/training), not lowerings/settings.py.
