@@ -9,7 +9,8 @@
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipes_prewarm
-#   (the same with compile.prewarm_modules), k3_small_prewarm (only its k3_small run), recipe_spread
+#   (the same with compile.prewarm_modules), k3_small_prewarm (only its k3_small run), varlen
+#   (kernels.causal_attention = varlen: GPU tests, bench_causal_attention.py, the k3_small recipe), recipe_spread
 #   (two eager runs of the k3_small recipe compared with it as shipped), eager_variant (the k3_small recipe eager with
 #   kernels.causal_attention = sdpa: how far an exact kernel change moves the loss curve), recipes_fp32 (both recipes with fp32 master
 #   weights, from empty caches), flex_tests
@@ -62,8 +63,13 @@ recipe() {  # $1 = recipe, $2 = name, $3 = cache (cold: empty Inductor/Triton ca
   # rest = overrides. Launch -> first step from the log's clock; the trainer's own compile report follows.
   local config=$1 name=$2 cache=$3 t=$(date +%s); shift 3
   [ "$cache" = cold ] && { cache=$name; rm -rf "/tmp/inductor_$cache" "/tmp/triton_$cache" "/tmp/$name"; }
+  # RECIPE_PRELUDE: python run first in a plain process instead of torchrun (e.g. to run a backend still refused)
+  local launch=(python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train)
+  [ -n "${RECIPE_PRELUDE:-}" ] && launch=(python3 -c "$RECIPE_PRELUDE
+import sys; from titan_kimi.train import main; from titan_kimi.training.exit_codes import run_cli
+sys.exit(run_cli(main))")
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$cache TRITON_CACHE_DIR=/tmp/triton_$cache TORCH_LOGS=recompiles \
-    timeout "${RECIPE_TIMEOUT:-280}" python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train \
+    timeout "${RECIPE_TIMEOUT:-280}" "${launch[@]}" \
     --job.config_file "$config" --training.steps 20 --metrics.log_freq 1 --job.dump_folder "/tmp/$name" "$@" \
     ${RECIPE_EXTRA:-} > "$OUT/$name.log" 2>&1
   step "$name" $?
@@ -160,6 +166,16 @@ if want recipes_prewarm; then  # both recipes with compile.prewarm_modules (modu
 fi
 if want k3_small_prewarm; then  # only the k3_small recipe with compile.prewarm_modules
   recipe train_configs/k3_small.toml k3_small_recipe_prewarm cold --compile.prewarm_modules true
+fi
+if want varlen; then  # kernels.causal_attention = varlen: its GPU tests, sdpa/flex/varlen per op, k3_small cold
+  timeout -s INT -k 20 300 python3 -m pytest -m gpu tests/test_varlen_attention_gpu.py -q -rs -rf \
+    > "$OUT/pytest_varlen_gpu.log" 2>&1
+  step pytest_varlen $?; tail -4 "$OUT/pytest_varlen_gpu.log"
+  timeout 200 python3 scripts/bench_causal_attention.py --docs 100 1000 4000 --out "$OUT/bench_causal_attention.json" \
+    > "$OUT/bench_causal_attention.md" 2>&1
+  step bench_causal_attention $?; tail -8 "$OUT/bench_causal_attention.md"
+  RECIPE_PRELUDE="import lowerings.ops.attention as a; a.VARLEN_VALIDATED = True" \
+    recipe train_configs/k3_small.toml k3_small_recipe_varlen cold --kernels.causal_attention varlen
 fi
 if want recipe_spread; then  # two eager runs of the k3_small recipe against it as shipped: the loss tolerance
   recipe train_configs/k3_small.toml k3_small_eager_a eager --compile.mode none
