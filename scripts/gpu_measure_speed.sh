@@ -3,7 +3,7 @@
 # still returns what finished. "before" runs the tree unpacked in .before/ (`git archive <commit>`), "after" this one.
 #   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
 #   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s);
-#   TESTS_TIMEOUT (s) and TEST_FILES (a subset) for the tests part;
+#   TESTS_TIMEOUT (s, per test file) and TEST_FILES (a subset) for the tests part;
 #   KDA_SHAPES / KDA_LAYOUTS: bench_kda.py's --shapes / --layouts (default "k3_small k3" / "docs_padded one_doc_padded")
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
@@ -92,9 +92,14 @@ if want tests; then
          tests/test_dsa_dense_shortcut_gpu.py tests/test_triton_kernels.py tests/test_vision_lora_gpu.py
          tests/test_kernel_prewarm_gpu.py)
   [ -n "${TEST_FILES:-}" ] && read -r -a tests <<< "$TEST_FILES"  # a subset (e.g. the rest of a cut-off run)
-  timeout -s INT -k 20 "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu --kernels-triton-autotune false "${tests[@]}" \
-    -v -rs -rf --durations=20 > "$OUT/pytest_gpu.log" 2>&1
-  step pytest $?; tail -4 "$OUT/pytest_gpu.log"
+  # one pytest per file, each with its own limit and log: a slow file costs its own time only, and the logs
+  # say how long each took (earlier calls lost whole runs to one shared limit)
+  for t in "${tests[@]}"; do
+    name=$(basename "$t" .py); started=$(date +%s)
+    timeout -s INT -k 20 "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu --kernels-triton-autotune false "$t" \
+      -v -rs -rf --durations=5 > "$OUT/pytest_$name.log" 2>&1
+    rc=$?; step "pytest $name ($(( $(date +%s) - started )) s)" $rc; tail -2 "$OUT/pytest_$name.log"
+  done
 fi
 if want kda_tests; then  # the fla KDA backend: reference parity, compiled, and CUDA-graph replay across layouts
   timeout -s INT -k 20 150 python3 -m pytest -m gpu tests/test_kda_gpu.py -q -rs -rf > "$OUT/pytest_kda_gpu.log" 2>&1
