@@ -120,9 +120,9 @@ def main() -> None:
             torch.cuda.empty_cache()
     configure_backends({"causal_attention": "auto"})
 
-    print(f"| heads | doc len | sdpa ms | flex ms | speedup | flex blocks | mask build ms | flex err | "
-          f"flex first call s | varlen ms | varlen err | varlen first call s |\n|---|---|---|---|---|---|---|---|---|"
-          f"---|---|---|")
+    print("| heads | doc len | sdpa ms | flex ms | speedup | flex blocks | mask build ms | flex err | "
+          "flex first call s | varlen ms | varlen err | varlen first call s |\n|---|---|---|---|---|---|---|---|---|"
+          "---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['heads']} | {r['doc_len']} | {r['error']} |")

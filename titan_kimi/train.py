@@ -178,7 +178,6 @@ class Trainer:
         plan = layout.pipeline
         pp_rank = self.meshes.pp_rank if self.meshes is not None else 0
         indices = plan.stages_of_rank(pp_rank) if plan is not None else [None]
-        dtype = DTYPES[cfg.model.dtype]
         parts = [build_model_from_config(cfg, self.args, self.tokenizer,
                                          layer_range=plan.ranges[i] if plan is not None else None) for i in indices]
         self.autocast_dtype = None
