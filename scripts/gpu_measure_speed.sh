@@ -4,13 +4,13 @@
 #   usage: OUT=/tmp/out PARTS="tests ops" bash scripts/gpu_measure_speed.sh
 #   RECIPE_EXTRA: overrides appended to every recipe run (e.g. "--compile.granularity module"); RECIPE_TIMEOUT (s);
 #   TESTS_TIMEOUT (s, per test file) and TEST_FILES (a subset) for the tests part;
-#   KDA_SHAPES / KDA_LAYOUTS: bench_kda.py's --shapes / --layouts (default "k3_small k3" / "docs_padded one_doc_padded")
+#   KDA_SHAPES / KDA_LAYOUTS: bench_kda.py's --shapes / --layouts (default "k3_small k3" /
+#   "docs_padded one_doc_padded")
 # PARTS: tests (GPU tests of the new backends), ops (per-op benchmarks: linear CE, optimizer step), cp_model (the
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipes_prewarm
-#   (the same with compile.prewarm_modules), k3_small_prewarm (only its k3_small run), varlen
-#   (kernels.causal_attention = varlen: GPU tests, bench_causal_attention.py, the k3_small recipe), recipe_spread
+#   (the same with compile.prewarm_modules), k3_small_prewarm (only its k3_small run), recipe_spread
 #   (two eager runs of the k3_small recipe compared with it as shipped), eager_variant (the k3_small recipe eager with
 #   kernels.causal_attention = sdpa: how far an exact kernel change moves the loss curve), recipes_fp32 (both recipes with fp32 master
 #   weights, from empty caches), flex_tests
@@ -21,8 +21,7 @@
 #   (GPU test files side by side), spread (two eager bf16 runs and the reduce-overhead one, loss curves compared
 #   pairwise by scripts/compare_loss_curves.py), cudnn_kda (kernels.kda = cudnn, cuDNN-FE 1.32's Hopper engine: its GPU tests
 #   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn), cudnn_kda_bench
-#   (only the benchmark), cudnn_kda_grads (scripts/check_cudnn_kda_gradients.py: cuDNN's raw KDA gradients
-#   against the fp32 reference)
+#   (only the benchmark)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -63,13 +62,8 @@ recipe() {  # $1 = recipe, $2 = name, $3 = cache (cold: empty Inductor/Triton ca
   # rest = overrides. Launch -> first step from the log's clock; the trainer's own compile report follows.
   local config=$1 name=$2 cache=$3 t=$(date +%s); shift 3
   [ "$cache" = cold ] && { cache=$name; rm -rf "/tmp/inductor_$cache" "/tmp/triton_$cache" "/tmp/$name"; }
-  # RECIPE_PRELUDE: python run first in a plain process instead of torchrun (e.g. to run a backend still refused)
-  local launch=(python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train)
-  [ -n "${RECIPE_PRELUDE:-}" ] && launch=(python3 -c "$RECIPE_PRELUDE
-import sys; from titan_kimi.train import main; from titan_kimi.training.exit_codes import run_cli
-sys.exit(run_cli(main))")
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_$cache TRITON_CACHE_DIR=/tmp/triton_$cache TORCH_LOGS=recompiles \
-    timeout "${RECIPE_TIMEOUT:-280}" "${launch[@]}" \
+    timeout "${RECIPE_TIMEOUT:-280}" python3 -m torch.distributed.run --nproc-per-node=1 -m titan_kimi.train \
     --job.config_file "$config" --training.steps 20 --metrics.log_freq 1 --job.dump_folder "/tmp/$name" "$@" \
     ${RECIPE_EXTRA:-} > "$OUT/$name.log" 2>&1
   step "$name" $?
@@ -165,22 +159,9 @@ if want recipes; then
   recipe train_configs/k3_small.toml k3_small_recipe cold
   recipe train_configs/k31_small.toml k31_small_recipe cold
 fi
-if want recipes_prewarm; then  # both recipes with compile.prewarm_modules (module kinds compiled side by side)
+if want recipes_prewarm || want k3_small_prewarm; then  # compile.prewarm_modules (module kinds side by side)
   recipe train_configs/k3_small.toml k3_small_recipe_prewarm cold --compile.prewarm_modules true
-  recipe train_configs/k31_small.toml k31_small_recipe_prewarm cold --compile.prewarm_modules true
-fi
-if want k3_small_prewarm; then  # only the k3_small recipe with compile.prewarm_modules
-  recipe train_configs/k3_small.toml k3_small_recipe_prewarm cold --compile.prewarm_modules true
-fi
-if want varlen; then  # kernels.causal_attention = varlen: its GPU tests, sdpa/flex/varlen per op, k3_small cold
-  timeout -s INT -k 20 300 python3 -m pytest -m gpu tests/test_varlen_attention_gpu.py -q -rs -rf \
-    > "$OUT/pytest_varlen_gpu.log" 2>&1
-  step pytest_varlen $?; tail -4 "$OUT/pytest_varlen_gpu.log"
-  timeout 200 python3 scripts/bench_causal_attention.py --docs 100 1000 4000 --out "$OUT/bench_causal_attention.json" \
-    > "$OUT/bench_causal_attention.md" 2>&1
-  step bench_causal_attention $?; tail -8 "$OUT/bench_causal_attention.md"
-  RECIPE_PRELUDE="import lowerings.ops.attention as a; a.VARLEN_VALIDATED = True" \
-    recipe train_configs/k3_small.toml k3_small_recipe_varlen cold --kernels.causal_attention varlen
+  want recipes_prewarm && recipe train_configs/k31_small.toml k31_small_recipe_prewarm cold --compile.prewarm_modules true
 fi
 if want recipe_spread; then  # two eager runs of the k3_small recipe against it as shipped: the loss tolerance
   recipe train_configs/k3_small.toml k3_small_eager_a eager --compile.mode none
@@ -211,10 +192,6 @@ fi
 if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fla, compiled, graph replay; then speed
   want par_tests || { timeout -s INT -k 20 240 python3 -m pytest -m gpu tests/test_kda_cudnn_gpu.py -q -rs -rf \
     > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
-fi
-if want cudnn_kda_grads; then  # which raw gradient of cuDNN's KDA backward is off (against the fp32 reference)
-  timeout 120 python3 scripts/check_cudnn_kda_gradients.py > "$OUT/cudnn_kda_gradients.md" 2>&1
-  step cudnn_kda_grads $?; cat "$OUT/cudnn_kda_gradients.md"
 fi
 if want cudnn_kda || want cudnn_kda_bench; then  # cudnn_kda_bench: the speed part alone (its own call)
   timeout "$(want cudnn_kda_bench && echo 500 || echo 170)" python3 scripts/bench_kda.py \

@@ -161,7 +161,7 @@ def test_unaligned_rows_take_sdpa_under_compile(flex_backend, monkeypatch, rows,
 
 def test_unknown_backend_names_it_and_the_valid_ones():
     with pytest.raises(ValueError, match=r"kernels.causal_attention = 'flash' is not a backend of causal_attention; "
-                                         r"valid: \['auto', 'sdpa', 'flex', 'varlen'\]"):
+                                         r"valid: \['auto', 'sdpa', 'flex'\]"):
         configure_backends({"causal_attention": "flash"})
 
 

@@ -9,11 +9,7 @@ Plain causal rows (no segments) take SDPA's ``is_causal`` kernel under either ba
 ``flex`` on CUDA (packed documents: 1.50 against 11.18 ms at 100-token documents, 4.41 against 11.24 at 4,000;
 the k3_small bf16 step 0.2167 s against 0.2549 s, docs/perf.md) and ``sdpa`` elsewhere (flex on CPU is torch's
 math reference).
-``varlen`` runs packed documents through torch's precompiled FlashAttention varlen kernel over the trainer's
-``cu_seqlens`` (``lowerings.kernels.varlen_attention``): nothing to compile at the first step, where flex's
-kernels take the longest. Calls it cannot take (fp32, context parallelism's placed queries, no ``cu_seqlens``)
-run as ``sdpa``. Refused until its GPU test has passed (``VARLEN_VALIDATED``).
-Not a custom op: every backend traces into the compiled graph as it is.
+Not a custom op: both backends trace into the compiled graph as they are.
 """
 
 from __future__ import annotations
@@ -26,22 +22,6 @@ from lowerings.ops.registry import cuda_available, on_cuda, op_backends, selecte
 BACKENDS = op_backends("causal_attention")
 # flex runs anywhere (CPU: torch's math reference of the mask, slow), but auto takes it on CUDA only
 BACKENDS.add("flex", auto_rank=0, auto_check=cuda_available)
-
-# Written after the tenth session's last GPU call: refused at config time until tests/test_varlen_attention_gpu.py
-# passes on the H200 (its tests set this to run it); then auto may take it where it measures faster.
-VARLEN_VALIDATED = False
-
-
-def _varlen_available() -> str | None:
-    if (reason := cuda_available()) is not None:
-        return reason
-    if not VARLEN_VALIDATED:
-        return ("not yet run on a GPU against the sdpa reference (tests/test_varlen_attention_gpu.py); use "
-                "flex or sdpa")
-    return None
-
-
-BACKENDS.add("varlen", _varlen_available)
 
 
 FLEX_BLOCK = 128
@@ -99,32 +79,22 @@ def causal_attention(
     scale: float,
     seg_start: torch.Tensor | None = None,
     q_positions: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [B,Sq,H,Dqk]``, ``k [B,Sk,H,Dqk]``, ``v [B,Sk,H,Dv]`` -> ``[B,Sq,H,Dv]``.
 
     Plain causal when ``seg_start`` is None (then Sq == Sk). ``q_positions [B,Sq]`` (with ``seg_start``, both in
     key coordinates) place the queries among the keys: query t sees keys seg_start[t] <= s <= q_positions[t].
-    ``cu_seqlens [N+1]`` (optional, for ``varlen``): the same segments as boundaries over the ``B*Sq`` flattened
-    tokens, zero-length segments allowed.
     """
     if q_positions is not None and seg_start is None:
         raise ValueError("causal_attention: q_positions needs seg_start (both in key coordinates)")
     if q_positions is None and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal_attention: {q.shape[1]} queries and {k.shape[1]} keys need q_positions")
-    backend = selected_backend("causal_attention")
-    if (backend == "varlen" and seg_start is not None and q_positions is None and cu_seqlens is not None
-            and q.is_cuda):
-        from lowerings.kernels.varlen_attention import varlen_document_causal, varlen_takes
-
-        if varlen_takes(q, k, v) is None:
-            return varlen_document_causal(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if on_cuda(q) and not q.is_cuda:  # planning on fake CPU tensors (registry.plan_as_cuda): what CUDA would keep
         if seg_start is not None:
             document_causal_mask(seg_start, q_positions, k.shape[2])  # SDPA's boolean mask exists on CUDA too
         out = _FusedAttentionSaves.apply(q, k, v)
-    elif backend == "flex" and seg_start is not None and _flex_takes(q, k):
+    elif selected_backend("causal_attention") == "flex" and seg_start is not None and _flex_takes(q, k):
         from lowerings.kernels.flex_attention import flex_causal_attention
 
         out = flex_causal_attention(q, k, v, scale=scale, seg_start=seg_start, q_positions=q_positions)
