@@ -110,7 +110,7 @@ def main() -> None:
     configure_backends({"causal_attention": "auto"})
 
     print(f"| heads | doc len | sdpa ms | flex ms | speedup | flex blocks | mask build ms | flex err | "
-          f"flex first call s |\n|---|---|---|---|---|---|---|---|---|")
+          "flex first call s |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['heads']} | {r['doc_len']} | {r['error']} |")
