@@ -109,7 +109,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     configure_backends({"causal_attention": "auto"})
 
-    print(f"| heads | doc len | sdpa ms | flex ms | speedup | flex blocks | mask build ms | flex err | "
+    print("| heads | doc len | sdpa ms | flex ms | speedup | flex blocks | mask build ms | flex err | "
           "flex first call s |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
