@@ -113,11 +113,10 @@ def causal_attention(
     if q_positions is None and q.shape[1] != k.shape[1]:
         raise ValueError(f"causal_attention: {q.shape[1]} queries and {k.shape[1]} keys need q_positions")
     backend = selected_backend("causal_attention")
-    if (backend == "varlen" and seg_start is not None and q_positions is None and cu_seqlens is not None
-            and q.is_cuda):
+    if backend == "varlen" and seg_start is not None and q_positions is None and cu_seqlens is not None:
         from lowerings.kernels.varlen_attention import varlen_document_causal, varlen_takes
 
-        if varlen_takes(q, k, v) is None:
+        if varlen_takes(q, k, v) is None:  # CUDA, bf16/fp16, square, head dims within 256
             return varlen_document_causal(q, k, v, scale=scale, cu_seqlens=cu_seqlens)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     if on_cuda(q) and not q.is_cuda:  # planning on fake CPU tensors (registry.plan_as_cuda): what CUDA would keep
