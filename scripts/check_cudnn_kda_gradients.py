@@ -82,6 +82,21 @@ def main() -> int:
     print(f"| du (cuDNN dg, chain rule) | {du.dtype} | {rel_err(du.float(), u_leaf.grad):.2e} |")
     print(f"| du (reference dg, chain rule) | {du_ref.dtype} | {rel_err(du_ref.float(), u_leaf.grad):.2e} |")
     print(f"| ddt_bias (cuDNN dg) | {ddt.dtype} | {rel_err(ddt.float(), ddt_ref.float()):.2e} |")
+
+    # fla's chunk_kda on the very same bf16 inputs: is cuDNN's dg worse than the backend `auto` uses?
+    from fla.ops.kda import chunk_kda
+
+    fla_leaves = [t.detach().clone().requires_grad_() for t in (prep.q_n, prep.k_n, v, prep.g, prep.beta)]
+    o_fla, _ = chunk_kda(*fla_leaves, scale=K**-0.5, cu_seqlens=torch.tensor(bounds, device="cuda"))
+    o_fla.backward(d_o.to(o_fla.dtype))
+    print("\nfla 0.6.0 chunk_kda's backward on the same inputs, against the same fp32 reference")
+    print("| gradient | dtype | rel err |\n|---|---|---:|")
+    for name, leaf, ref in zip(got, fla_leaves, leaves):
+        print(f"| {name} | {leaf.grad.dtype} | {rel_err(leaf.grad.float(), ref.grad):.2e} |")
+    du_fla, _, ddt_fla = cudnn_kda.gate_bwd_torch(u, A_log, dt_bias, fla_leaves[3].grad.float(), lower_bound)
+    print(f"| du (fla dg, chain rule) | {du_fla.dtype} | {rel_err(du_fla.float(), u_leaf.grad):.2e} |")
+    print(f"| ddt_bias (fla dg) | {ddt_fla.dtype} | {rel_err(ddt_fla.float(), ddt_ref.float()):.2e} |")
+    print(f"| dg cuDNN vs fla | | {rel_err(dg.view(*shape, K).float(), fla_leaves[3].grad.float()):.2e} |")
     return 0
 
 

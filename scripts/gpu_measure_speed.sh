@@ -10,7 +10,8 @@
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipes_prewarm
 #   (the same with compile.prewarm_modules), k3_small_prewarm (only its k3_small run), varlen
-#   (kernels.causal_attention = varlen: GPU tests, bench_causal_attention.py, the k3_small recipe), recipe_spread
+#   (kernels.causal_attention = varlen: GPU tests, bench_causal_attention.py, the k3_small recipe), varlen_more (varlen
+#   in k31_small and in fp32-master k3_small, and k3_small twice over one compile.cache_dir), recipe_spread
 #   (two eager runs of the k3_small recipe compared with it as shipped), eager_variant (the k3_small recipe eager with
 #   kernels.causal_attention = sdpa: how far an exact kernel change moves the loss curve), recipes_fp32 (both recipes with fp32 master
 #   weights, from empty caches), flex_tests
@@ -181,6 +182,17 @@ if want varlen; then  # kernels.causal_attention = varlen: its GPU tests, sdpa/f
   step bench_causal_attention $?; tail -8 "$OUT/bench_causal_attention.md"
   RECIPE_PRELUDE="import lowerings.ops.attention as a; a.VARLEN_VALIDATED = True" \
     recipe train_configs/k3_small.toml k3_small_recipe_varlen cold --kernels.causal_attention varlen
+fi
+if want varlen_more; then  # varlen in k31_small, the fp32-master k3_small, and a compile.cache_dir restart
+  export RECIPE_PRELUDE="import lowerings.ops.attention as a; a.VARLEN_VALIDATED = True"
+  recipe train_configs/k31_small.toml k31_small_recipe_varlen cold --kernels.causal_attention varlen
+  recipe train_configs/k3_small.toml k3_small_recipe_varlen_fp32 cold --kernels.causal_attention varlen "${FP32[@]}"
+  rm -rf /tmp/k3_small_compile_cache
+  for run in first restart; do  # the second process finds the first one's kernels in compile.cache_dir
+    recipe train_configs/k3_small.toml k3_small_varlen_cache_$run cold --kernels.causal_attention varlen \
+      --compile.cache_dir /tmp/k3_small_compile_cache
+  done
+  unset RECIPE_PRELUDE
 fi
 if want recipe_spread; then  # two eager runs of the k3_small recipe against it as shipped: the loss tolerance
   recipe train_configs/k3_small.toml k3_small_eager_a eager --compile.mode none
