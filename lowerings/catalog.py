@@ -29,6 +29,8 @@ BACKEND_OPS: dict[str, OpEntry] = {
     "causal_attention": OpEntry(
         "dense (document-)causal attention of the gated MLA layers: sdpa = SDPA with a dense boolean mask; flex = "
         "FlexAttention with a block-sparse document-causal BlockMask for packed documents (plain causal rows take "
-        "SDPA's causal kernel under both); auto = flex on CUDA (measured faster on the H200), sdpa elsewhere",
-        ("sdpa", "flex"), reference="sdpa"),
+        "SDPA's causal kernel under both); varlen = torch's FlashAttention varlen kernel over the documents' "
+        "cu_seqlens (precompiled: nothing to compile; refused until GPU-validated); auto = flex on CUDA (measured "
+        "faster on the H200), sdpa elsewhere",
+        ("sdpa", "flex", "varlen"), reference="sdpa"),
 }

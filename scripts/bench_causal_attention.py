@@ -1,13 +1,15 @@
-"""Benchmark kernels.causal_attention = sdpa vs flex (forward + backward) on one GPU.
+"""Benchmark kernels.causal_attention = sdpa vs flex vs varlen (forward + backward) on one GPU.
 
 Row of S = 8,192 tokens packed with documents of 100, 1,000 or 4,000 tokens, or one document (plain causal:
 sdpa then runs is_causal, no mask); 16 heads (k3_small) and 96 (K3); qk head dim 192, v 128, bf16. Both
 backends run through ``lowerings.ops.causal_attention`` as the model calls it (flex from eager code goes through
 the op's compiled wrapper, BlockMask build included), except flex on the plain causal row: the op sends such rows
-to SDPA under both backends, so that row times flex's kernel directly (the measurement behind the routing). Per case: median fwd+bwd ms over repeats after warm-up,
-the BlockMask's build alone, the fraction of 128 x 128 blocks flex computes, and flex's relative error against
-sdpa. Prints a markdown table; ``--out`` writes the same as JSON. About a minute on an H200 (most of it flex's
-compiles: one per head count and mask kind).
+to SDPA under both backends, so that row times flex's kernel directly (the measurement behind the routing).
+varlen (torch's FlashAttention varlen kernel over the documents' cu_seqlens, padded to 64 slots as the trainer
+pads them) runs on the packed rows only. Per case: median fwd+bwd ms over repeats after warm-up, the BlockMask's
+build alone, the fraction of 128 x 128 blocks flex computes, and flex's and varlen's relative errors against
+sdpa. Prints a markdown table; ``--out`` writes the same as JSON. About two minutes on an H200 (most of it
+flex's compiles: one per head count and mask kind).
 
     PYTHONPATH=$PWD:/tmp/site python3 scripts/bench_causal_attention.py --out causal_attention.json
 """
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowerings.kernels.flex_attention import document_causal_block_mask, flex_causal_attention  # noqa: E402
 from lowerings.ops import causal_attention, configure_backends  # noqa: E402
+from titan_kimi.models.kimi_k3.sequence import build_sequence_info  # noqa: E402
 from cuda_timing import median_cuda_ms, package_versions, rel_err  # noqa: E402  (scripts/ is sys.path[0])
 
 DQK, DV = 192, 128
@@ -46,10 +49,14 @@ def bench_case(seq: int, heads: int, doc_len: int | None, warmup: int, repeats: 
     v = torch.randn(1, seq, heads, DV, device="cuda", generator=g).bfloat16().requires_grad_()
     grad_out = torch.randn(1, seq, heads, DV, device="cuda", generator=g).bfloat16()
     seg_start = seg_start_of(seq, doc_len)
+    cu_seqlens = None
+    if doc_len is not None:
+        doc_ids = (torch.arange(seq, device="cuda") // doc_len).unsqueeze(0)
+        cu_seqlens = build_sequence_info(1, seq, torch.device("cuda"), doc_ids).cu_seqlens
     scale = DQK**-0.5
     row: dict = {"seq": seq, "heads": heads, "doc_len": doc_len or seq}
     outputs = {}
-    for backend in ("sdpa", "flex"):
+    for backend in ("sdpa", "flex", "varlen") if doc_len is not None else ("sdpa", "flex"):
         configure_backends({"causal_attention": backend})
 
         def step() -> torch.Tensor:
@@ -59,7 +66,7 @@ def bench_case(seq: int, heads: int, doc_len: int | None, warmup: int, repeats: 
                 # kernel, the measurement behind that routing
                 out = flex_causal_attention(*(x.transpose(1, 2) for x in (q, k, v)), scale=scale).transpose(1, 2)
             else:
-                out = causal_attention(q, k, v, scale=scale, seg_start=seg_start)
+                out = causal_attention(q, k, v, scale=scale, seg_start=seg_start, cu_seqlens=cu_seqlens)
             out.backward(grad_out)
             return out
 
@@ -70,7 +77,9 @@ def bench_case(seq: int, heads: int, doc_len: int | None, warmup: int, repeats: 
         outputs[backend] = (out.detach(), q.grad, k.grad, v.grad)
         row[f"{backend}_ms"] = median_cuda_ms(step, warmup, repeats)
     row["speedup"] = row["sdpa_ms"] / row["flex_ms"]
-    row["flex_rel_err_vs_sdpa"] = max(rel_err(a, b) for a, b in zip(outputs["flex"], outputs["sdpa"]))
+    for backend in ("flex", "varlen"):
+        if backend in outputs:
+            row[f"{backend}_rel_err_vs_sdpa"] = max(rel_err(a, b) for a, b in zip(outputs[backend], outputs["sdpa"]))
     return row
 
 
@@ -110,14 +119,17 @@ def main() -> None:
     configure_backends({"causal_attention": "auto"})
 
     print("| heads | doc len | sdpa ms | flex ms | speedup | flex blocks | mask build ms | flex err | "
-          "flex first call s |\n|---|---|---|---|---|---|---|---|---|")
+          "flex first call s | varlen ms | varlen err | varlen first call s |\n|---|---|---|---|---|---|---|---|---|"
+          "---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['heads']} | {r['doc_len']} | {r['error']} |")
             continue
         print(f"| {r['heads']} | {r['doc_len']:,} | {r['sdpa_ms']:.2f} | {r['flex_ms']:.2f} | {r['speedup']:.2f}x | "
               f"{r['blocks_computed']:.1%} | {r['mask_build_ms']:.3f} | {r['flex_rel_err_vs_sdpa']:.1e} | "
-              f"{r['flex_first_call_s']:.1f} |")
+              f"{r['flex_first_call_s']:.1f} | " + (f"{r['varlen_ms']:.2f} | {r['varlen_rel_err_vs_sdpa']:.1e} | "
+                                                      f"{r['varlen_first_call_s']:.1f} |" if "varlen_ms" in r
+                                                      else "— | — | — |"))
     if args.out:
         versions = package_versions(("torch", "triton"))
         meta = {"device": torch.cuda.get_device_name(), "versions": versions, "qk_dim": DQK, "v_dim": DV,

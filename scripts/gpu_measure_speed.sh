@@ -10,7 +10,9 @@
 #   whole-model context-parallel GPU tests, slow: FLA tunes fp32 shapes), before (k3_small compiled, fp32 master
 #   weights, + profile), after (the bf16 setting eager, and the fp32 one as before, + profiles), recipes (the shipped
 #   k3_small and k31_small recipes from an empty Inductor cache: time from launch to the first step), recipes_prewarm
-#   (the same with compile.prewarm_modules), k3_small_prewarm (only its k3_small run), recipe_spread
+#   (the same with compile.prewarm_modules), k3_small_prewarm (only its k3_small run), varlen
+#   (kernels.causal_attention = varlen: GPU tests, bench_causal_attention.py, the k3_small recipe), varlen_more (varlen
+#   in k31_small and in fp32-master k3_small, and k3_small twice over one compile.cache_dir), recipe_spread
 #   (two eager runs of the k3_small recipe compared with it as shipped), eager_variant (the k3_small recipe eager with
 #   kernels.causal_attention = sdpa: how far an exact kernel change moves the loss curve), recipes_fp32 (both recipes with fp32 master
 #   weights, from empty caches), flex_tests
@@ -21,7 +23,8 @@
 #   (GPU test files side by side), spread (two eager bf16 runs and the reduce-overhead one, loss curves compared
 #   pairwise by scripts/compare_loss_curves.py), cudnn_kda (kernels.kda = cudnn, cuDNN-FE 1.32's Hopper engine: its GPU tests
 #   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn), cudnn_kda_bench
-#   (only the benchmark)
+#   (only the benchmark), cudnn_kda_grads (scripts/check_cudnn_kda_gradients.py: cuDNN's raw KDA gradients
+#   against the fp32 reference)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -163,6 +166,24 @@ if want recipes_prewarm || want k3_small_prewarm; then  # compile.prewarm_module
   recipe train_configs/k3_small.toml k3_small_recipe_prewarm cold --compile.prewarm_modules true
   want recipes_prewarm && recipe train_configs/k31_small.toml k31_small_recipe_prewarm cold --compile.prewarm_modules true
 fi
+if want varlen; then  # kernels.causal_attention = varlen: its GPU tests, sdpa/flex/varlen per op, k3_small cold
+  timeout -s INT -k 20 300 python3 -m pytest -m gpu tests/test_varlen_attention_gpu.py -q -rs -rf \
+    > "$OUT/pytest_varlen_gpu.log" 2>&1
+  step pytest_varlen $?; tail -4 "$OUT/pytest_varlen_gpu.log"
+  timeout 200 python3 scripts/bench_causal_attention.py --docs 100 1000 4000 --out "$OUT/bench_causal_attention.json" \
+    > "$OUT/bench_causal_attention.md" 2>&1
+  step bench_causal_attention $?; tail -8 "$OUT/bench_causal_attention.md"
+  recipe train_configs/k3_small.toml k3_small_recipe_varlen cold --kernels.causal_attention varlen
+fi
+if want varlen_more; then  # varlen in k31_small, the fp32-master k3_small, and a compile.cache_dir restart
+  recipe train_configs/k31_small.toml k31_small_recipe_varlen cold --kernels.causal_attention varlen
+  recipe train_configs/k3_small.toml k3_small_recipe_varlen_fp32 cold --kernels.causal_attention varlen "${FP32[@]}"
+  rm -rf /tmp/k3_small_compile_cache
+  for run in first restart; do  # the second process finds the first one's kernels in compile.cache_dir
+    recipe train_configs/k3_small.toml k3_small_varlen_cache_$run cold --kernels.causal_attention varlen \
+      --compile.cache_dir /tmp/k3_small_compile_cache
+  done
+fi
 if want recipe_spread; then  # two eager runs of the k3_small recipe against it as shipped: the loss tolerance
   recipe train_configs/k3_small.toml k3_small_eager_a eager --compile.mode none
   recipe train_configs/k3_small.toml k3_small_eager_b eager --compile.mode none
@@ -192,6 +213,10 @@ fi
 if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fla, compiled, graph replay; then speed
   want par_tests || { timeout -s INT -k 20 240 python3 -m pytest -m gpu tests/test_kda_cudnn_gpu.py -q -rs -rf \
     > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
+fi
+if want cudnn_kda_grads; then  # which raw gradient of cuDNN's KDA backward is off (against the fp32 reference)
+  timeout 120 python3 scripts/check_cudnn_kda_gradients.py > "$OUT/cudnn_kda_gradients.md" 2>&1
+  step cudnn_kda_grads $?; cat "$OUT/cudnn_kda_gradients.md"
 fi
 if want cudnn_kda || want cudnn_kda_bench; then  # cudnn_kda_bench: the speed part alone (its own call)
   timeout "$(want cudnn_kda_bench && echo 500 || echo 170)" python3 scripts/bench_kda.py \

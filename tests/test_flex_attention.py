@@ -161,7 +161,7 @@ def test_unaligned_rows_take_sdpa_under_compile(flex_backend, monkeypatch, rows,
 
 def test_unknown_backend_names_it_and_the_valid_ones():
     with pytest.raises(ValueError, match=r"kernels.causal_attention = 'flash' is not a backend of causal_attention; "
-                                         r"valid: \['auto', 'sdpa', 'flex'\]"):
+                                         r"valid: \['auto', 'sdpa', 'flex', 'varlen'\]"):
         configure_backends({"causal_attention": "flash"})
 
 
@@ -175,11 +175,12 @@ def test_config_key_refuses_an_unknown_backend_naming_the_valid_ones():
 
 def test_auto_takes_flex_on_cuda_only(monkeypatch):
     """flex runs on CPU when named (torch's math reference), but auto takes it only where CUDA is: there it was
-    measured faster on packed documents (docs/perf.md)."""
+    measured faster on packed documents (docs/perf.md). Where varlen cannot run, flex is auto's CUDA choice."""
     import lowerings.ops.registry as registry
 
     backends = op_backends("causal_attention")
     saved = backends.selected
+    monkeypatch.setitem(backends.checks, "varlen", lambda: "no flash varlen kernel")
     try:
         monkeypatch.setitem(backends.auto_checks, "flex", lambda: "no CUDA device")
         assert configure_backends({"causal_attention": "auto"}) == {"causal_attention": "sdpa"}

@@ -74,7 +74,8 @@ class GatedMLA(nn.Module):
         Sk = c_kv.shape[1]  # the whole row's keys under context parallelism, else the queries' own
         k_nope, v = self.kv_b_proj(c_kv).view(B, Sk, n, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(B, Sk, n, self.rope)], dim=-1)
-        return ops.causal_attention(q, k, v, scale=self.scale, seg_start=seq.seg_start, q_positions=seq.positions)
+        return ops.causal_attention(q, k, v, scale=self.scale, seg_start=seq.seg_start, q_positions=seq.positions,
+                                    cu_seqlens=seq.cu_seqlens)
 
     def _sparse_attention(self, q, c_kv, k_rope, indices: torch.Tensor) -> torch.Tensor:
         B, S, n, _ = q.shape
