@@ -30,7 +30,8 @@ BACKEND_OPS: dict[str, OpEntry] = {
         "dense (document-)causal attention of the gated MLA layers: sdpa = SDPA with a dense boolean mask; flex = "
         "FlexAttention with a block-sparse document-causal BlockMask for packed documents (plain causal rows take "
         "SDPA's causal kernel under both); varlen = torch's FlashAttention varlen kernel over the documents' "
-        "cu_seqlens (precompiled: nothing to compile; refused until GPU-validated); auto = flex on CUDA (measured "
-        "faster on the H200), sdpa elsewhere",
+        "cu_seqlens (precompiled: nothing to compile; what it cannot take, e.g. context parallelism's placed queries, "
+        "runs as flex on CUDA); auto = varlen on CUDA (the step as fast as flex on the H200, the first step half as "
+        "long), sdpa elsewhere",
         ("sdpa", "flex", "varlen"), reference="sdpa"),
 }
