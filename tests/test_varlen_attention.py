@@ -1,7 +1,7 @@
-"""kernels.causal_attention = varlen on CPU: refused without CUDA, auto's choice with it; the adapter's layout (rows flattened,
-v padded to the q/k width, output sliced back) against the masked SDPA reference, with a per-segment CPU
-stand-in for FlashAttention's kernel; the calls it cannot take run as sdpa; the op traces (meta tensors, a
-fullgraph compile) with its backward."""
+"""kernels.causal_attention = varlen on CPU: refused without CUDA, auto's choice with it; the adapter's layout
+(rows flattened, v padded to the q/k width, output sliced back) against the masked SDPA reference, with a
+per-segment CPU stand-in for FlashAttention's kernel; the calls it cannot take run as sdpa on CPU and as flex
+where flex runs; the op traces (meta tensors, a fullgraph compile) with its backward."""
 
 import pytest
 import torch

@@ -10,10 +10,11 @@ beats sdpa by far (1.50 against 11.18 ms at 100-token documents, 4.41 against 11
 ``varlen`` runs packed documents through torch's precompiled FlashAttention varlen kernel over the trainer's
 ``cu_seqlens`` (``lowerings.kernels.varlen_attention``). Calls it cannot take (fp32, context parallelism's
 placed queries, no ``cu_seqlens``) run as ``flex`` on CUDA and as ``sdpa`` elsewhere. ``auto`` is ``varlen`` on
-CUDA, ``sdpa`` elsewhere (flex on CPU is torch's math reference): on the H200 the k3_small step runs 35,601 tokens/s with varlen against 34,352
-with flex, and the first step is done 49 s after launch against 95 s, flex's kernels being what the first step
-compiled longest (docs/perf.md). Per op flex stays faster on short documents with many heads (96 heads,
-100-token documents: 5.15 against 13.09 ms; the varlen kernel's grid covers the whole row per document slot).
+CUDA, ``sdpa`` elsewhere (flex on CPU is torch's math reference): on the H200 the k3_small step runs 35,601
+tokens/s with varlen against 34,352 with flex, and the first step is done 49 s after launch against 95 s,
+flex's kernels being what the first step compiled longest (docs/perf.md). Per op flex stays faster on short
+documents with many heads (96 heads, 100-token documents: 5.15 against 13.09 ms; the varlen kernel's grid
+covers the whole row per document slot).
 Not a custom op: every backend traces into the compiled graph as it is.
 """
 
