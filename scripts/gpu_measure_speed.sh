@@ -19,7 +19,7 @@
 #   (kernels.causal_attention = flex against fp32 SDPA at k3_small's MLA shape), flex_ops (sdpa vs flex per-op
 #   benchmark), before_bf16 / after_bf16 / flex_step (the k3_small bf16 step under reduce-overhead: .before tree,
 #   this tree, this tree with kernels.causal_attention = flex; + profiles), kda_tests / kda_graph_test (the fla KDA
-#   op's GPU tests / only its CUDA-graph replay), kda_capture (scripts/repro_kda_cudagraph_capture.py), par_tests
+#   op's GPU tests / only its CUDA-graph replay), kda_capture (scripts/repro_kda_cudagraph_capture.py: toy KDA blocks under reduce-overhead, gradients against eager), par_tests
 #   (GPU test files side by side), spread (two eager bf16 runs and the reduce-overhead one, loss curves compared
 #   pairwise by scripts/compare_loss_curves.py), cudnn_kda (kernels.kda = cudnn, cuDNN-FE 1.32's Hopper engine: its GPU tests
 #   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn), cudnn_kda_bench
@@ -107,7 +107,8 @@ if want kda_graph_test; then  # only the CUDA-graph replay of the fla KDA op acr
     > "$OUT/pytest_kda_graph_gpu.log" 2>&1
   step pytest_kda_graph $?; tail -4 "$OUT/pytest_kda_graph_gpu.log"
 fi
-if want kda_capture; then  # diagnostic: an untagged copy of the fla KDA op captured under reduce-overhead
+if want kda_capture; then  # an untagged copy of the fla KDA op captured under reduce-overhead, against eager
+  rm -rf /tmp/inductor_kda_capture
   TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_kda_capture timeout 200 python3 scripts/repro_kda_cudagraph_capture.py \
     > "$OUT/repro_kda_cudagraph_capture.log" 2>&1
   step kda_capture $?; tail -30 "$OUT/repro_kda_cudagraph_capture.log"

@@ -1,12 +1,17 @@
-"""Find what keeps memory in the CUDA-graph pool when the fla KDA op is captured under ``reduce-overhead``.
+"""The fla KDA op captured under ``reduce-overhead``: does cudagraph trees' warm-up leave memory in the pool?
 
-The ``titan_kimi::kda`` ops carry ``cudagraph_unsafe``: with the tag removed, the k3_small recipe from empty caches
-failed at its first backward with "12 tensor(s) in the cudagraph pool not tracked as outputs", one per KDA layer
-(H200, torch 2.11, docs/perf.md). This script registers an untagged copy of the op pair (same fake, same autograd,
-same fla kernels) and trains a stack of ``--layers`` toy KDA blocks, each compiled on its own like the model's
-blocks, in a fresh process with empty Inductor caches. Inductor's cudagraph-trees history recording is on, so the
-error names where each leftover tensor was allocated. It exits 0 when ``--steps`` steps ran, and 1 with the
-error otherwise. It is a diagnostic, not a benchmark.
+With ``cudagraph_unsafe`` removed, the k3_small recipe from empty caches failed at its first backward with
+"12 tensor(s) in the cudagraph pool not tracked as outputs", one per KDA layer (H200, torch 2.11). Run with
+allocation histories (eleventh session), every leftover came from FLA's process-wide graph buffers
+(``fla.ops.utils.graph.get_static_buffer``), which the adapter now replaces by fresh tensors
+(lowerings/kernels/fla_graph_buffers.py, applied in ``fla_kda.fla_kda_backward``). This script registers an
+untagged copy of the op pair (same fake, same autograd, same adapter) and trains a stack of ``--layers`` toy KDA
+blocks, each compiled on its own like the model's blocks, in a fresh process with empty Inductor caches.
+Inductor's cudagraph-trees history recording is on, so an error names where each leftover tensor was allocated.
+Each step also runs the same blocks eagerly first; it exits 0 when ``--steps`` steps ran with the captured
+gradients within 2e-2 of eager's (relative L2 over all parameters), and 1 with the error or the difference
+otherwise. A diagnostic,
+not a benchmark.
 
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=$PWD:/tmp/site python3 scripts/repro_kda_cudagraph_capture.py
 """
@@ -119,14 +124,24 @@ def main() -> int:
             slots = segment_slots(len(bounds) - 1)
             cu = torch.tensor(bounds + [T] * (slots + 1 - len(bounds)), device=dev, dtype=torch.int32)
             torch._dynamo.maybe_mark_dynamic(cu, 0)
-            x = torch.randn(1, T, opts.dim, device=dev, dtype=torch.bfloat16)
-            for block in compiled:
-                x = block(x, cu)
-            x.float().square().mean().backward()
-            grad_norm = math.sqrt(sum(float(p.grad.float().square().sum()) for p in params))
-            for p in params:
-                p.grad = None
-            print(f"step {step}: {len(bounds) - 1} documents in {slots} slots, grad norm {grad_norm:.4g}", flush=True)
+            x0 = torch.randn(1, T, opts.dim, device=dev, dtype=torch.bfloat16)
+            norms = []
+            for stack in (blocks, compiled):  # eager first: the captured replay must give the same gradients
+                x = x0
+                for block in stack:
+                    x = block(x, cu)
+                x.float().square().mean().backward()
+                grads = torch.cat([p.grad.float().flatten() for p in params])
+                norms.append((float(grads.norm()), grads))
+                for p in params:
+                    p.grad = None
+            (eager_norm, eager), (graph_norm, graph) = norms
+            rel = float((graph - eager).norm() / eager.norm())
+            print(f"step {step}: {len(bounds) - 1} documents in {slots} slots, grad norm eager {eager_norm:.4g} "
+                  f"captured {graph_norm:.4g}, relative difference {rel:.2e}", flush=True)
+            if not math.isfinite(rel) or rel > 2e-2:
+                print(f"the captured gradients differ from eager by {rel:.2e} (bound 2e-2)")
+                return 1
     except Exception:  # the point of the script: show the capture failure and where its tensors came from
         traceback.print_exc()
         return 1

@@ -6,7 +6,7 @@
 | default | per-block torch.compile (Inductor); the titan_kimi ops stay opaque custom ops |
 | inductor | as default, plus: the Triton kernels of situ_glu and attn_res_mix run as `torch.library.triton_op`s (Inductor sees, schedules and plans memory for them; CUDA + triton backend only), SiTU-GLU is emitted as its plain formula and our joint-graph pass rewrites it into the fused op (forward and backward) |
 | max-autotune | as default, with Inductor's pointwise/reduction autotuning (GEMMs stay ATen, no CUDA graphs) |
-| reduce-overhead | as default, with CUDA graphs (Inductor graph partitions: ops tagged `cudagraph_unsafe`, the FLA KDA op, run between the graphs, not in them) |
+| reduce-overhead | as default, with CUDA graphs (Inductor graph partitions: ops tagged `cudagraph_unsafe`, the context-parallel KDA op and the linear cross-entropy, run between the graphs, not in them) |
 
 A mode has two halves: ``compile_options`` (the ``torch.compile`` keyword arguments, which carry the graph pass
 through ``options`` so it is installed exactly while these regions compile, backward included) and
@@ -49,9 +49,9 @@ class CompileMode:
         if self.graph_passes:
             inductor_options["joint_custom_post_pass"] = _joint_pass(self.triton_ops)
         if self.cudagraphs:
-            # torch's reduce-overhead is `triton.cudagraphs`; graph partitioning is spelled out because the
-            # KDA op is tagged cudagraph_unsafe (FLA derives its chunk grid from cu_seqlens on the host and
-            # caches index tensors across calls), so it must run between graphs, never inside one.
+            # torch's reduce-overhead is `triton.cudagraphs`; graph partitioning is spelled out because ops
+            # tagged cudagraph_unsafe (the context-parallel KDA op, the chunked linear cross-entropy) must run
+            # between graphs, never inside one.
             inductor_options.update({"triton.cudagraphs": True, "graph_partition": True})
         if inductor_options:
             options["options"] = inductor_options

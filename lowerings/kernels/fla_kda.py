@@ -88,6 +88,10 @@ def fla_kda_backward(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound
     from fla.modules.norm.l2norm import l2norm_bwd
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 
+    from lowerings.kernels.fla_graph_buffers import use_fresh_graph_buffers
+
+    use_fresh_graph_buffers()  # FLA's graph mode would share one process-wide buffer set across layers
+
     q_n, q_rstd, k_n, k_rstd, Aqk, Akk = residuals
     dq, dk, dv, db, dg, dh0, dA, dbias = chunk_kda_bwd(
         q=q_n, k=k_n, v=v.contiguous(), beta=beta.float().contiguous(), Aqk=Aqk, Akk=Akk, scale=scale,

@@ -70,15 +70,15 @@ def _reference_backward(
     return [x.contiguous() for x in vjp((d_o, d_final))]
 
 
-# Outside CUDA graphs: the fla backend runs FLA's graph mode (chunk indices built on the device, no host sync:
-# lowerings/kernels/fla_kda.py), and a captured forward + backward replays across document layouts
-# (tests/test_kda_gpu.py), but captured under reduce-overhead (the k3_small recipe, empty caches, torch 2.11 on
-# the H200) cudagraph trees' warm-up run finds 12 tensors left in its pool, one per KDA layer; until that is
-# understood, Inductor's graph partitioning runs these ops between the graphs.
+# Inside CUDA graphs: the fla backend runs FLA's graph mode (chunk indices built on the device, no host sync:
+# lowerings/kernels/fla_kda.py) with fresh buffers per call (lowerings/kernels/fla_graph_buffers.py: FLA's
+# process-wide graph buffers were the 12 tensors cudagraph trees found left in their pool, one per KDA layer).
+# The context-parallel op (lowerings/ops/kda_cp.py) exchanges states between ranks and stays outside them.
 _OUTSIDE_CUDA_GRAPHS = (torch._C.Tag.cudagraph_unsafe,)
+_CAPTURED = ()
 
 
-@torch.library.custom_op("titan_kimi::kda", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
+@torch.library.custom_op("titan_kimi::kda", mutates_args=(), tags=_CAPTURED)
 def kda_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,7 +124,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_
     return torch.empty_like(v), final, residuals
 
 
-@torch.library.custom_op("titan_kimi::kda_backward", mutates_args=(), tags=_OUTSIDE_CUDA_GRAPHS)
+@torch.library.custom_op("titan_kimi::kda_backward", mutates_args=(), tags=_CAPTURED)
 def kda_backward_op(
     d_o: torch.Tensor,
     d_final: torch.Tensor,
