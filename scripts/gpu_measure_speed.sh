@@ -219,11 +219,12 @@ if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fl
     > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
 fi
 if want cudnn_dsa_indexer; then  # cuDNN's sm90 DSA indexer pieces against ours, at K3.1's shape
-  # the CuTe-DSL runtime: nvidia-cutlass-dsl and -libs-base in .whl_cute (installed only here, so no other part
+  # the CuTe-DSL runtime: nvidia-cutlass-dsl and -libs-base in .whl_cute (unpacked only here, so no other part
   # sees a half runtime), -libs-cu13 (92 MB) through .whl_parts; its .pth (not read under --target) puts
   # dsl_packages on the path
-  ls .whl_cute/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
-    --target /tmp/site .whl_cute/*.whl
+  # unzipped, not pip-installed: pip --target --upgrade would replace the nvidia_cutlass_dsl folder that
+  # libs-cu13's parts were unpacked into; the three wheels' files are disjoint and merge
+  for w in .whl_cute/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
   export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
   python3 -c "import cutlass.cute; from cudnn.deepseek_sparse_attention import indexer_forward_wrapper; print('CuTe DSL and cuDNN DSA import')" \
     > "$OUT/cudnn_dsa_import.txt" 2>&1; tail -3 "$OUT/cudnn_dsa_import.txt"
