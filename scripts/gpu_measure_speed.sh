@@ -24,7 +24,8 @@
 #   pairwise by scripts/compare_loss_curves.py), cudnn_kda (kernels.kda = cudnn, cuDNN-FE 1.32's Hopper engine: its GPU tests
 #   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn), cudnn_kda_bench
 #   (only the benchmark), cudnn_kda_grads (scripts/check_cudnn_kda_gradients.py: cuDNN's raw KDA gradients
-#   against the fp32 reference)
+#   against the fp32 reference), cudnn_dsa_indexer (scripts/bench_cudnn_dsa_indexer.py: cuDNN's sm90 indexer
+#   score + top-k against ours; needs the CuTe-DSL wheels, the big one sent ahead through scripts/wheel_parts.sh)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -38,6 +39,9 @@ if [ -d .whl ]; then  # the GPU machine has no network: wheels travel with the t
   ls .whl/nvidia_cuda_*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
     --upgrade --target /tmp/cuda_headers .whl/nvidia_cuda_*.whl
 fi
+for parts in .whl_parts/*/; do  # wheels over one call's 64 MiB arrive a part per call (scripts/wheel_parts.sh)
+  [ -f "$parts/MANIFEST" ] && bash scripts/wheel_parts.sh collect "$(basename "$parts")" /tmp/site
+done
 [ -d /tmp/cuda_headers/nvidia/cu13 ] && export CUDAToolkit_ROOT=/tmp/cuda_headers/nvidia/cu13
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -214,6 +218,20 @@ fi
 if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fla, compiled, graph replay; then speed
   want par_tests || { timeout -s INT -k 20 240 python3 -m pytest -m gpu tests/test_kda_cudnn_gpu.py -q -rs -rf \
     > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
+fi
+if want cudnn_dsa_indexer; then  # cuDNN's sm90 DSA indexer pieces against ours, at K3.1's shape
+  # the CuTe-DSL runtime: nvidia-cutlass-dsl and -libs-base in .whl_cute (unpacked only here, so no other part
+  # sees a half runtime), -libs-cu13 (92 MB) through .whl_parts; its .pth (not read under --target) puts
+  # dsl_packages on the path
+  # unzipped, not pip-installed: pip --target --upgrade would replace the nvidia_cutlass_dsl folder that
+  # libs-cu13's parts were unpacked into; the three wheels' files are disjoint and merge
+  for w in .whl_cute/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
+  export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+  python3 -c "import cutlass.cute; from cudnn.deepseek_sparse_attention import indexer_forward_wrapper; print('CuTe DSL and cuDNN DSA import')" \
+    > "$OUT/cudnn_dsa_import.txt" 2>&1; tail -3 "$OUT/cudnn_dsa_import.txt"
+  timeout 400 python3 scripts/bench_cudnn_dsa_indexer.py --out "$OUT/bench_cudnn_dsa_indexer.json" \
+    > "$OUT/bench_cudnn_dsa_indexer.md" 2>&1
+  step bench_cudnn_dsa_indexer $?; tail -8 "$OUT/bench_cudnn_dsa_indexer.md"
 fi
 if want cudnn_kda_grads; then  # which raw gradient of cuDNN's KDA backward is off (against the fp32 reference)
   timeout 120 python3 scripts/check_cudnn_kda_gradients.py > "$OUT/cudnn_kda_gradients.md" 2>&1
