@@ -83,14 +83,18 @@ def reference_quality(selected: torch.Tensor, q, k, w, seg, scale: float, chunk:
     return {"rows_equal_to_reference": equal / T, "min_score_mass_kept": worst}
 
 
-def cudnn_pipeline(q, k, w, bounds: list[int], scale: float):
-    """Returns a callable giving [T, TOPK] global key ids (-1 = empty) through cuDNN's sm90 pieces."""
+def cudnn_pipeline(q, k, w, bounds: list[int], scale: float, slots: int | None = None, max_len: int | None = None):
+    """Returns a callable giving [T, TOPK] global key ids (-1 = empty) through cuDNN's sm90 pieces. ``slots``:
+    cu_seqlens padded with zero-length documents to that many (as the model pads them); ``max_len``: the
+    max_seqlen given to the kernels (default the longest document; a bucket or T is what a backend without host
+    document lengths could pass)."""
     from cudnn.deepseek_sparse_attention import (indexer_forward_wrapper, indexer_top_k_wrapper,
                                                  local_to_global_wrapper)
 
     T = q.shape[0]
-    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-    max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+    padded = bounds + [bounds[-1]] * ((slots or 0) + 1 - len(bounds))
+    cu = torch.tensor(padded, dtype=torch.int32, device="cuda")
+    max_len = max_len or max(b - a for a, b in zip(bounds, bounds[1:]))
     local_pos = torch.cat([torch.arange(b - a, dtype=torch.int32) for a, b in zip(bounds, bounds[1:])]).cuda()
     row_lens = (local_pos + 1).contiguous()  # each query's causal window inside its document
     k3 = k.view(T, 1, DIM)
@@ -145,6 +149,18 @@ def bench_layout(T: int, name: str, doc_len: int | None, warmup: int, repeats: i
     except Exception as err:  # a missing runtime or a refused shape: say which, keep the triton row
         row["cudnn_error"] = f"{type(err).__name__}: {err}"
         traceback.print_exc()
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    bucket = min(T, 1 << (longest - 1).bit_length())
+    for variant, max_len in (("thd_slots_bucket", bucket), ("thd_slots_T", T)):  # the model's padded cu_seqlens
+        try:
+            run = cudnn_pipeline(q, k, w, bounds, scale, slots=max(64, 1 << (len(bounds) - 2).bit_length()),
+                                 max_len=max_len)
+            selected = run()
+            row[f"{variant}_ms"] = median_cuda_ms(run, warmup, repeats)
+            row[variant] = reference_quality(selected, q, k, w, seg, scale)
+        except Exception as err:
+            row[f"{variant}_error"] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
     return row
 
 
@@ -172,6 +188,13 @@ def main() -> None:
         print(f"| {r['layout']} | {r['documents']} | {r['triton_ms']:.2f} | {cell('backend_ms')} | "
               f"{cell('cudnn_ms')} | {cell('backend_first_call_s', '.1f')} / {cell('cudnn_first_call_s', '.1f')} | "
               f"{quality('rows_equal_to_reference', '.3f')} | {quality('min_score_mass_kept', '.4f')} |")
+    print("\ncuDNN's THD layout over cu_seqlens padded to the model's slots (>= 64), max_seqlen a power-of-two "
+          "bucket of the longest document or T:\n\n| layout | bucket ms | T ms | equal sets: bucket / T |\n|---|---|---|---|")
+    for r in rows:
+        eq = " / ".join(format(r[v]["rows_equal_to_reference"], ".3f") if v in r else "—"
+                        for v in ("thd_slots_bucket", "thd_slots_T"))
+        print(f"| {r['layout']} | {r.get('thd_slots_bucket_ms', float('nan')):.2f} | "
+              f"{r.get('thd_slots_T_ms', float('nan')):.2f} | {eq} |")
     if args.out:
         meta = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "topk": TOPK,
                 "versions": package_versions(("torch", "triton", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl"))}

@@ -116,17 +116,17 @@ def test_cudnn_replays_in_a_cuda_graph_on_another_layout():
 
 
 def test_the_op_routes_to_cudnn_and_falls_back_for_fp32(monkeypatch):
-    from lowerings.ops import indexer_topk as op
+    from lowerings.ops.indexer_topk import BACKENDS, indexer_topk
 
-    monkeypatch.setattr(op.BACKENDS, "selected", "cudnn")
+    monkeypatch.setattr(BACKENDS, "selected", "cudnn")
     T = 2048
     q, k, w = make(T, T, seed=13)
     seg = seg_starts([T])
     calls = []
     real = cik.cudnn_indexer_topk
     monkeypatch.setattr(cik, "cudnn_indexer_topk", lambda *a: calls.append(a[0].dtype) or real(*a))
-    got = op.indexer_topk(q, k, w, seg, topk=TOPK, scale=D**-0.5)
+    got = indexer_topk(q, k, w, seg, topk=TOPK, scale=D**-0.5)
     assert calls == [torch.bfloat16]
-    fp32 = op.indexer_topk(q.float(), k.float(), w, seg, topk=TOPK, scale=D**-0.5)  # Triton's
+    fp32 = indexer_topk(q.float(), k.float(), w, seg, topk=TOPK, scale=D**-0.5)  # Triton's
     assert calls == [torch.bfloat16]
     assert (got == fp32).all(1).float().mean().item() >= 0.99
