@@ -13,8 +13,9 @@ Per layout: median ms of each pipeline (CUDA events), cuDNN's first call (its Cu
 training step would pay), and how good each selection is against the fp32 reference scores: the fraction of
 rows whose selected set equals the reference's, and the minimum over rows of (sum of reference scores over the
 keys selected) / (the same over the reference's own top-k), 1.0 being a perfect selection (ReLU ties at 0 make
-equal sets too strict a test). A measurement, not a backend: `kernels.indexer_topk = cudnn` stays unbuilt until
-this shows it faster.
+equal sets too strict a test). Two cuDNN rows: the backend (`kernels.indexer_topk = cudnn`,
+lowerings/kernels/cudnn_indexer_topk.py: the dense layout with a document mask, because the op has no host-side
+document lengths) and the THD pipeline above (what the backend would gain from them).
 
     PYTHONPATH=$PWD:/tmp/site python3 scripts/bench_cudnn_dsa_indexer.py --out indexer.json
 """
@@ -82,14 +83,18 @@ def reference_quality(selected: torch.Tensor, q, k, w, seg, scale: float, chunk:
     return {"rows_equal_to_reference": equal / T, "min_score_mass_kept": worst}
 
 
-def cudnn_pipeline(q, k, w, bounds: list[int], scale: float):
-    """Returns a callable giving [T, TOPK] global key ids (-1 = empty) through cuDNN's sm90 pieces."""
+def cudnn_pipeline(q, k, w, bounds: list[int], scale: float, slots: int | None = None, max_len: int | None = None):
+    """Returns a callable giving [T, TOPK] global key ids (-1 = empty) through cuDNN's sm90 pieces. ``slots``:
+    cu_seqlens padded with zero-length documents to that many (as the model pads them); ``max_len``: the
+    max_seqlen given to the kernels (default the longest document; a bucket or T is what a backend without host
+    document lengths could pass)."""
     from cudnn.deepseek_sparse_attention import (indexer_forward_wrapper, indexer_top_k_wrapper,
                                                  local_to_global_wrapper)
 
     T = q.shape[0]
-    cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
-    max_len = max(b - a for a, b in zip(bounds, bounds[1:]))
+    padded = bounds + [bounds[-1]] * ((slots or 0) + 1 - len(bounds))
+    cu = torch.tensor(padded, dtype=torch.int32, device="cuda")
+    max_len = max_len or max(b - a for a, b in zip(bounds, bounds[1:]))
     local_pos = torch.cat([torch.arange(b - a, dtype=torch.int32) for a, b in zip(bounds, bounds[1:])]).cuda()
     row_lens = (local_pos + 1).contiguous()  # each query's causal window inside its document
     k3 = k.view(T, 1, DIM)
@@ -120,7 +125,20 @@ def bench_layout(T: int, name: str, doc_len: int | None, warmup: int, repeats: i
     selected = ours()  # autotunes
     row["triton_ms"] = median_cuda_ms(ours, warmup, repeats)
     row["triton"] = reference_quality(selected, q, k, w, seg, scale)
-    try:
+    try:  # the backend (dense layout + document mask: no host integer needed)
+        from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk
+
+        backend = lambda: cudnn_indexer_topk(q, k, w, seg, TOPK, scale)  # noqa: E731
+        t0 = time.perf_counter()
+        selected = backend()
+        torch.cuda.synchronize()
+        row["backend_first_call_s"] = time.perf_counter() - t0
+        row["backend_ms"] = median_cuda_ms(backend, warmup, repeats)
+        row["backend"] = reference_quality(selected, q, k, w, seg, scale)
+    except Exception as err:
+        row["backend_error"] = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+    try:  # cuDNN's THD layout over the documents (needs the longest document on the host)
         run = cudnn_pipeline(q, k, w, bounds, scale)
         t0 = time.perf_counter()
         selected = run()
@@ -131,6 +149,18 @@ def bench_layout(T: int, name: str, doc_len: int | None, warmup: int, repeats: i
     except Exception as err:  # a missing runtime or a refused shape: say which, keep the triton row
         row["cudnn_error"] = f"{type(err).__name__}: {err}"
         traceback.print_exc()
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    bucket = min(T, 1 << (longest - 1).bit_length())
+    for variant, max_len in (("thd_slots_bucket", bucket), ("thd_slots_T", T)):  # the model's padded cu_seqlens
+        try:
+            run = cudnn_pipeline(q, k, w, bounds, scale, slots=max(64, 1 << (len(bounds) - 2).bit_length()),
+                                 max_len=max_len)
+            selected = run()
+            row[f"{variant}_ms"] = median_cuda_ms(run, warmup, repeats)
+            row[variant] = reference_quality(selected, q, k, w, seg, scale)
+        except Exception as err:
+            row[f"{variant}_error"] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
     return row
 
 
@@ -145,17 +175,26 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     rows = [bench_layout(args.tokens, name, LAYOUTS[name], args.warmup, args.repeats) for name in args.layouts]
-    print("| layout | documents | triton ms | cudnn ms | cudnn first call s | equal sets: triton / cudnn | "
-          "min score mass kept: triton / cudnn |\n|---|---|---|---|---|---|---|")
+    print("| layout | documents | triton ms | cudnn backend (dense) ms | cudnn THD ms | first call s: backend / "
+          "THD | equal sets: triton / backend / THD | min score mass kept: triton / backend / THD |\n"
+          "|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if "cudnn_error" in r:
-            print(f"| {r['layout']} | {r['documents']} | {r['triton_ms']:.2f} | {r['cudnn_error'][:120]} | | "
-                  f"{r['triton']['rows_equal_to_reference']:.3f} / — | {r['triton']['min_score_mass_kept']:.4f} / — |")
-            continue
-        print(f"| {r['layout']} | {r['documents']} | {r['triton_ms']:.2f} | {r['cudnn_ms']:.2f} | "
-              f"{r['cudnn_first_call_s']:.1f} | {r['triton']['rows_equal_to_reference']:.3f} / "
-              f"{r['cudnn']['rows_equal_to_reference']:.3f} | {r['triton']['min_score_mass_kept']:.4f} / "
-              f"{r['cudnn']['min_score_mass_kept']:.4f} |")
+        def cell(key: str, fmt: str = ".2f") -> str:
+            return format(r[key], fmt) if key in r else r.get(key.split("_")[0] + "_error", "—")[:80]
+
+        def quality(metric: str, fmt: str) -> str:
+            return " / ".join(format(r[n][metric], fmt) if n in r else "—" for n in ("triton", "backend", "cudnn"))
+
+        print(f"| {r['layout']} | {r['documents']} | {r['triton_ms']:.2f} | {cell('backend_ms')} | "
+              f"{cell('cudnn_ms')} | {cell('backend_first_call_s', '.1f')} / {cell('cudnn_first_call_s', '.1f')} | "
+              f"{quality('rows_equal_to_reference', '.3f')} | {quality('min_score_mass_kept', '.4f')} |")
+    print("\ncuDNN's THD layout over cu_seqlens padded to the model's slots (>= 64), max_seqlen a power-of-two "
+          "bucket of the longest document or T:\n\n| layout | bucket ms | T ms | equal sets: bucket / T |\n|---|---|---|---|")
+    for r in rows:
+        eq = " / ".join(format(r[v]["rows_equal_to_reference"], ".3f") if v in r else "—"
+                        for v in ("thd_slots_bucket", "thd_slots_T"))
+        print(f"| {r['layout']} | {r.get('thd_slots_bucket_ms', float('nan')):.2f} | "
+              f"{r.get('thd_slots_T_ms', float('nan')):.2f} | {eq} |")
     if args.out:
         meta = {"device": torch.cuda.get_device_name(), "heads": HEADS, "dim": DIM, "topk": TOPK,
                 "versions": package_versions(("torch", "triton", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl"))}

@@ -25,7 +25,8 @@
 #   against the reference and fla unless par_tests ran them, then scripts/bench_kda.py, fla vs cudnn), cudnn_kda_bench
 #   (only the benchmark), cudnn_kda_grads (scripts/check_cudnn_kda_gradients.py: cuDNN's raw KDA gradients
 #   against the fp32 reference), cudnn_dsa_indexer (scripts/bench_cudnn_dsa_indexer.py: cuDNN's sm90 indexer
-#   score + top-k against ours; needs the CuTe-DSL wheels, the big one sent ahead through scripts/wheel_parts.sh)
+#   score + top-k against ours; needs the CuTe-DSL wheels, the big one sent ahead through scripts/wheel_parts.sh),
+#   cudnn_indexer (kernels.indexer_topk = cudnn: its GPU tests, the same benchmark, the k31_small recipe with it)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -219,19 +220,29 @@ if want cudnn_kda; then  # kernels.kda = cudnn: parity with the reference and fl
   want par_tests || { timeout -s INT -k 20 240 python3 -m pytest -m gpu tests/test_kda_cudnn_gpu.py -q -rs -rf \
     > "$OUT/pytest_kda_cudnn_gpu.log" 2>&1; step pytest_kda_cudnn $?; tail -4 "$OUT/pytest_kda_cudnn_gpu.log"; }
 fi
-if want cudnn_dsa_indexer; then  # cuDNN's sm90 DSA indexer pieces against ours, at K3.1's shape
-  # the CuTe-DSL runtime: nvidia-cutlass-dsl and -libs-base in .whl_cute (unpacked only here, so no other part
-  # sees a half runtime), -libs-cu13 (92 MB) through .whl_parts; its .pth (not read under --target) puts
-  # dsl_packages on the path
-  # unzipped, not pip-installed: pip --target --upgrade would replace the nvidia_cutlass_dsl folder that
-  # libs-cu13's parts were unpacked into; the three wheels' files are disjoint and merge
+cute_dsl() {  # the CuTe-DSL runtime for cuDNN's DSA kernels: nvidia-cutlass-dsl, -libs-base, -libs-core and
+  # apache-tvm-ffi in .whl_cute (unpacked only for the parts that use them, so no other part sees a half runtime),
+  # -libs-cu13 (92 MB) through .whl_parts; its .pth (not read under --target) puts dsl_packages on the path.
+  # Unzipped, not pip-installed: pip --target --upgrade would replace the nvidia_cutlass_dsl folder that
+  # libs-cu13's parts were unpacked into; the wheels' files are disjoint and merge
   for w in .whl_cute/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
   export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
   python3 -c "import cutlass.cute; from cudnn.deepseek_sparse_attention import indexer_forward_wrapper; print('CuTe DSL and cuDNN DSA import')" \
     > "$OUT/cudnn_dsa_import.txt" 2>&1; tail -3 "$OUT/cudnn_dsa_import.txt"
+}
+if want cudnn_dsa_indexer || want cudnn_indexer; then cute_dsl; fi
+if want cudnn_indexer; then  # kernels.indexer_topk = cudnn: its GPU tests, then the k31_small recipe with it
+  timeout -s INT -k 20 300 python3 -m pytest -m gpu --kernels-triton-autotune false tests/test_indexer_topk_cudnn_gpu.py -v -rs -rf \
+    > "$OUT/pytest_indexer_topk_cudnn_gpu.log" 2>&1
+  step pytest_indexer_topk_cudnn $?; tail -8 "$OUT/pytest_indexer_topk_cudnn_gpu.log"
+fi
+if want cudnn_dsa_indexer || want cudnn_indexer; then  # cuDNN's sm90 DSA indexer against ours, at K3.1's shape
   timeout 400 python3 scripts/bench_cudnn_dsa_indexer.py --out "$OUT/bench_cudnn_dsa_indexer.json" \
     > "$OUT/bench_cudnn_dsa_indexer.md" 2>&1
   step bench_cudnn_dsa_indexer $?; tail -8 "$OUT/bench_cudnn_dsa_indexer.md"
+fi
+if want cudnn_indexer; then
+  recipe train_configs/k31_small.toml k31_small_recipe_cudnn_indexer cold --kernels.indexer_topk cudnn
 fi
 if want cudnn_kda_grads; then  # which raw gradient of cuDNN's KDA backward is off (against the fp32 reference)
   timeout 120 python3 scripts/check_cudnn_kda_gradients.py > "$OUT/cudnn_kda_gradients.md" 2>&1

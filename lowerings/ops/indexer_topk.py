@@ -5,11 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowerings.ops.registry import cuda_available, not_built, op_backends, selected_backend
+from lowerings.ops.registry import cuda_available, op_backends, selected_backend
+
+
+def _cudnn_available() -> str | None:  # sm90, the cuDNN frontend's DSA kernels and the CuTe-DSL runtime
+    from lowerings.kernels.cudnn_indexer_topk import unavailable_reason
+
+    return unavailable_reason()
+
 
 BACKENDS = op_backends("indexer_topk")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
-BACKENDS.add("cudnn", not_built("the cuDNN frontend DSA indexer backend"))
+BACKENDS.add("cudnn", _cudnn_available)
 
 # Row chunks keep the fp32 [rows, heads, T] intermediate under this many bytes, so long sequences never
 # materialise the whole [T, T] score matrix.
@@ -67,7 +74,14 @@ def indexer_topk_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float,
     q_offset: int = 0,
 ) -> torch.Tensor:
-    if selected_backend("indexer_topk") == "triton" and q.is_cuda:
+    backend = selected_backend("indexer_topk")
+    if backend == "cudnn" and q.is_cuda:
+        from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk, cudnn_takes
+
+        if cudnn_takes(q, k, w, topk) is None:
+            return cudnn_indexer_topk(q, k, w, seg_start, topk, scale, q_offset)
+        backend = "triton"  # calls the cuDNN kernels cannot take (dtype, head shape): the Triton kernel
+    if backend == "triton" and q.is_cuda:
         from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
 
         return triton_indexer_topk(q, k, w, seg_start, topk, scale, q_offset=q_offset)
