@@ -109,7 +109,25 @@ def cudnn_pipeline(q, k, w, bounds: list[int], scale: float, slots: int | None =
     return run
 
 
+def time_selection(row: dict, name: str, build, warmup: int, repeats: int, quality) -> None:
+    """Into ``row``: the first call (s, its compile) of the selection ``build()`` returns, its median ms and
+    ``quality`` of what it selects; ``<name>_error`` when it fails (a missing runtime or a refused shape), the
+    other rows kept."""
+    try:
+        select = build()
+        t0 = time.perf_counter()
+        selected = select()
+        torch.cuda.synchronize()
+        row[f"{name}_first_call_s"] = time.perf_counter() - t0
+        row[f"{name}_ms"] = median_cuda_ms(select, warmup, repeats)
+        row[name] = quality(selected)
+    except Exception as err:
+        row[f"{name}_error"] = f"{type(err).__name__}: {err}"
+        traceback.print_exc()
+
+
 def bench_layout(T: int, name: str, doc_len: int | None, warmup: int, repeats: int) -> dict:
+    from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk
     from lowerings.kernels.indexer_topk import indexer_topk
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -124,43 +142,19 @@ def bench_layout(T: int, name: str, doc_len: int | None, warmup: int, repeats: i
     ours = lambda: indexer_topk(q, k, w, seg, TOPK, scale)  # noqa: E731
     selected = ours()  # autotunes
     row["triton_ms"] = median_cuda_ms(ours, warmup, repeats)
-    row["triton"] = reference_quality(selected, q, k, w, seg, scale)
-    try:  # the backend (dense layout + document mask: no host integer needed)
-        from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk
-
-        backend = lambda: cudnn_indexer_topk(q, k, w, seg, TOPK, scale)  # noqa: E731
-        t0 = time.perf_counter()
-        selected = backend()
-        torch.cuda.synchronize()
-        row["backend_first_call_s"] = time.perf_counter() - t0
-        row["backend_ms"] = median_cuda_ms(backend, warmup, repeats)
-        row["backend"] = reference_quality(selected, q, k, w, seg, scale)
-    except Exception as err:
-        row["backend_error"] = f"{type(err).__name__}: {err}"
-        traceback.print_exc()
-    try:  # cuDNN's THD layout over the documents (needs the longest document on the host)
-        run = cudnn_pipeline(q, k, w, bounds, scale)
-        t0 = time.perf_counter()
-        selected = run()
-        torch.cuda.synchronize()
-        row["cudnn_first_call_s"] = time.perf_counter() - t0
-        row["cudnn_ms"] = median_cuda_ms(run, warmup, repeats)
-        row["cudnn"] = reference_quality(selected, q, k, w, seg, scale)
-    except Exception as err:  # a missing runtime or a refused shape: say which, keep the triton row
-        row["cudnn_error"] = f"{type(err).__name__}: {err}"
-        traceback.print_exc()
+    quality = lambda selected: reference_quality(selected, q, k, w, seg, scale)  # noqa: E731
+    row["triton"] = quality(selected)
+    # the backend (dense layout + document mask: no host integer needed), then cuDNN's THD layout over the
+    # documents (needs the longest document on the host)
+    backend = lambda: cudnn_indexer_topk(q, k, w, seg, TOPK, scale)  # noqa: E731
+    time_selection(row, "backend", lambda: backend, warmup, repeats, quality)
+    time_selection(row, "cudnn", lambda: cudnn_pipeline(q, k, w, bounds, scale), warmup, repeats, quality)
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     bucket = min(T, 1 << (longest - 1).bit_length())
+    slots = max(64, 1 << (len(bounds) - 2).bit_length())
     for variant, max_len in (("thd_slots_bucket", bucket), ("thd_slots_T", T)):  # the model's padded cu_seqlens
-        try:
-            run = cudnn_pipeline(q, k, w, bounds, scale, slots=max(64, 1 << (len(bounds) - 2).bit_length()),
-                                 max_len=max_len)
-            selected = run()
-            row[f"{variant}_ms"] = median_cuda_ms(run, warmup, repeats)
-            row[variant] = reference_quality(selected, q, k, w, seg, scale)
-        except Exception as err:
-            row[f"{variant}_error"] = f"{type(err).__name__}: {err}"
-            traceback.print_exc()
+        time_selection(row, variant, lambda: cudnn_pipeline(q, k, w, bounds, scale, slots=slots, max_len=max_len),
+                       warmup, repeats, quality)
     return row
 
 

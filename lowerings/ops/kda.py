@@ -74,11 +74,9 @@ def _reference_backward(
 # lowerings/kernels/fla_kda.py) with fresh buffers per call (lowerings/kernels/fla_graph_buffers.py: FLA's
 # process-wide graph buffers were the 12 tensors cudagraph trees found left in their pool, one per KDA layer).
 # The context-parallel op (lowerings/ops/kda_cp.py) exchanges states between ranks and stays outside them.
-_OUTSIDE_CUDA_GRAPHS = (torch._C.Tag.cudagraph_unsafe,)
-_CAPTURED = ()
 
 
-@torch.library.custom_op("titan_kimi::kda", mutates_args=(), tags=_CAPTURED)
+@torch.library.custom_op("titan_kimi::kda", mutates_args=())
 def kda_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -124,7 +122,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_
     return torch.empty_like(v), final, residuals
 
 
-@torch.library.custom_op("titan_kimi::kda_backward", mutates_args=(), tags=_CAPTURED)
+@torch.library.custom_op("titan_kimi::kda_backward", mutates_args=())
 def kda_backward_op(
     d_o: torch.Tensor,
     d_final: torch.Tensor,

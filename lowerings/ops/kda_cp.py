@@ -22,11 +22,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lowerings.ops.kda import BACKENDS, _OUTSIDE_CUDA_GRAPHS
+from lowerings.ops.kda import BACKENDS
 from lowerings.ops.kda_reference import kda_rows_reference
 from lowerings.ops.registry import on_cuda, selected_backend
 from lowerings.ops.sequence_shards import (all_gather_autograd, check_layout, chunk_slots, local_positions,
                                           parts_per_rank, rank_chunks)
+
+# Between CUDA graphs, never inside one: the op exchanges states between ranks.
+_OUTSIDE_CUDA_GRAPHS = (torch._C.Tag.cudagraph_unsafe,)
 
 
 def _group(group_name: str) -> dist.ProcessGroup:
