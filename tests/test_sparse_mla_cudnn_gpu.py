@@ -82,7 +82,7 @@ def test_the_op_routes_to_cudnn_and_falls_back_for_fp32(monkeypatch):
     real = csb.cudnn_sparse_mla_backward
     monkeypatch.setattr(csb, "cudnn_sparse_mla_backward", lambda *a: calls.append(a[1].dtype) or real(*a))
     for dtype in (torch.bfloat16, torch.float32):  # fp32: the Triton backward
-        qg, kvg = q.to(dtype).requires_grad_(), kv.to(dtype).requires_grad_()
+        qg, kvg = q.detach().to(dtype).requires_grad_(), kv.detach().to(dtype).requires_grad_()
         out, _ = sparse_mla(qg, kvg, idx, scale=SCALE, d_v=512)
         out.backward(dout.to(dtype))
         _, _, rdq, rdkv = ref_sparse_mla_grads(qg, kvg, idx, SCALE, 512, dout, compute_dtype=torch.float32)

@@ -16,7 +16,9 @@ def _cudnn_available() -> str | None:  # sm90, the cuDNN frontend's DSA kernels 
 
 BACKENDS = op_backends("indexer_topk")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
-BACKENDS.add("cudnn", _cudnn_available)
+# auto's first choice where cuDNN's DSA runtime is installed: its document-wise (THD) layout measured faster than
+# the Triton kernel on every layout at K3.1's shape with the same selections (docs/perf.md, docs/ops.md)
+BACKENDS.add("cudnn", _cudnn_available, auto_rank=0)
 
 # Row chunks keep the fp32 [rows, heads, T] intermediate under this many bytes, so long sequences never
 # materialise the whole [T, T] score matrix.
