@@ -105,7 +105,8 @@ build() {
     local work="${FLASH_MLA_BUILD_DIR:-}"
     if [[ -z "$work" ]]; then
         work="$(mktemp -d)"
-        trap 'rm -rf "$work"' EXIT
+        BUILD_TMP="$work"  # global: the EXIT trap runs after this function's locals are gone (set -u)
+        trap 'rm -rf "$BUILD_TMP"' EXIT
     fi
     mkdir -p "$work" "$target"
     work="$(cd "$work" && pwd)"

@@ -34,7 +34,8 @@
 #   the background: it outlives the call while the machine stays warm), flash_mla (waits for that build, then
 #   kernels.sparse_mla = flash_mla's GPU tests and scripts/bench_sparse_mla_forward.py), numerics
 #   (scripts/check_compile_numerics.py: the compiled k3_small step against eager on the same weights, bf16 with
-#   the sdpa variant and fp32 master weights against the fp32 truth)
+#   the sdpa variant and fp32 master weights against the fp32 truth; numerics_fp32 the latter alone), vl_recipe (the
+#   image-text k31_vl_small recipe as shipped, then compiled like the text recipes: which mode it should ship)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -280,11 +281,19 @@ if want numerics; then  # compile error apart from run-to-run spread: lockstep c
   step numerics_bf16 $?; grep -E "^step|^median" "$OUT/numerics_bf16.log" | cut -c1-200
 fi
 if want numerics || want numerics_fp32; then  # fp32 master weights: compiled and eager bf16 against the fp32 truth
-  # (4,096 tokens: the fp32 truth's attention runs flex's dense math, which ran out of memory at 8,192)
+  # (causal_attention = sdpa in all three: varlen takes no fp32, and its fp32 fallback, flex, runs its dense math
+  # eagerly, which ran out of memory at 8,192 tokens and past 280 s at 4,096 in the thirteenth session)
   timeout 280 python3 scripts/check_compile_numerics.py --config train_configs/k3_small.toml --steps 12 \
-    --variant autocast=off --out "$OUT/numerics_fp32.json" -- "${FP32[@]}" --training.seq_len 4096 \
+    --variant autocast=off --out "$OUT/numerics_fp32.json" -- "${FP32[@]}" --kernels.causal_attention sdpa \
     > "$OUT/numerics_fp32.log" 2>&1
   step numerics_fp32 $?; grep -E "^step|^median" "$OUT/numerics_fp32.log" | cut -c1-200; tail -3 "$OUT/numerics_fp32.log"
+fi
+if want vl_recipe; then  # image-text: the recipe as shipped (eager, fp32 master) against reduce-overhead / module
+  recipe train_configs/k31_vl_small.toml k31_vl_small_recipe cold
+  recipe train_configs/k31_vl_small.toml k31_vl_small_compiled cold --compile.mode reduce-overhead \
+    --compile.granularity module
+  recipe train_configs/k31_vl_small.toml k31_vl_small_compiled_bf16 cold --compile.mode reduce-overhead \
+    --compile.granularity module "${BF16[@]}"
 fi
 if want import_profile; then  # where the start-up's imports go (self / cumulative microseconds, top 30)
   python3 -X importtime -c "import titan_kimi.train" 2> "$OUT/importtime_train.txt"
