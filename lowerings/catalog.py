@@ -19,8 +19,17 @@ class OpEntry:
 
 BACKEND_OPS: dict[str, OpEntry] = {
     "kda": OpEntry("Kimi Delta Attention backend", ("reference", "fla", "cudnn")),
-    "indexer_topk": OpEntry("DSA indexer scores + top-k backend", ("reference", "triton", "cudnn")),
-    "sparse_mla": OpEntry("sparse MLA backend", ("dense", "reference", "triton", "cudnn", "flash_mla")),
+    "indexer_topk": OpEntry(
+        "DSA indexer scores + top-k backend: triton = the Triton kernel written here; cudnn = cuDNN frontend's sm90 "
+        "DSA indexer over each document (its CuTe-DSL runtime comes with nvidia-cudnn-frontend; calls it cannot "
+        "take run triton); auto = cudnn where it can run (faster on every layout measured), else triton on CUDA",
+        ("reference", "triton", "cudnn")),
+    "sparse_mla": OpEntry(
+        "sparse MLA backend: triton = our forward (Gluon on Hopper) and Triton backward; cudnn = our forward and "
+        "cuDNN frontend's sm90 DSA backward (1.7x the Triton backward at K3's 96 heads); flash_mla = FlashMLA's "
+        "sm90 sparse forward (scripts/build_flash_mla.sh) and the Triton backward; calls a kernel cannot take run "
+        "triton's; dense / reference = plain torch; auto = cudnn, then flash_mla, then triton, the first that can "
+        "run here", ("dense", "reference", "triton", "cudnn", "flash_mla")),
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
     "attn_res_mix": OpEntry("attention-residual mix backend", ("reference", "triton")),
     "linear_cross_entropy": OpEntry(

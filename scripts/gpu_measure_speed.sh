@@ -26,7 +26,16 @@
 #   (only the benchmark), cudnn_kda_grads (scripts/check_cudnn_kda_gradients.py: cuDNN's raw KDA gradients
 #   against the fp32 reference), cudnn_dsa_indexer (scripts/bench_cudnn_dsa_indexer.py: cuDNN's sm90 indexer
 #   score + top-k against ours; needs the CuTe-DSL wheels, the big one sent ahead through scripts/wheel_parts.sh),
-#   cudnn_indexer (kernels.indexer_topk = cudnn: its GPU tests, the same benchmark, the k31_small recipe with it)
+#   cudnn_indexer (kernels.indexer_topk = cudnn: its GPU tests, the same benchmark, the k31_small recipe with it),
+#   cudnn_dsa (both cuDNN DSA backends, indexer_topk = cudnn in its THD layout and sparse_mla = cudnn: their GPU
+#   tests, scripts/bench_sparse_mla_backward.py and the indexer benchmark), recipe_cudnn_dsa (k31_small from empty
+#   caches with both), import_profile (python -X importtime of the trainer's imports, and of FLA's KDA modules),
+#   flash_mla_build (scripts/build_flash_mla.sh from the carried .src/flash_mla_src.tar.xz into /tmp/flash_site, in
+#   the background: it outlives the call while the machine stays warm), flash_mla (waits for that build, then
+#   kernels.sparse_mla = flash_mla's GPU tests and scripts/bench_sparse_mla_forward.py), numerics
+#   (scripts/check_compile_numerics.py: the compiled k3_small step against eager on the same weights, bf16 with
+#   the sdpa variant and fp32 master weights against the fp32 truth; numerics_fp32 the latter alone), vl_recipe (the
+#   image-text k31_vl_small recipe as shipped, then compiled like the text recipes: which mode it should ship)
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -35,7 +44,9 @@ mkdir -p "$OUT"
 if [ -d .whl ]; then  # the GPU machine has no network: wheels travel with the tree
   # CUDA header wheels (for cuDNN-FE's NVRTC kernels) go outside PYTHONPATH, so torch keeps loading its own
   # CUDA runtime; the cuDNN frontend finds the headers through CUDAToolkit_ROOT.
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+  # bytecode compiled at install, as a user's pip install does (first imports on a fresh machine then compile
+  # nothing; earlier sessions installed with --no-compile and paid that in every run's start-up)
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site \
     $(ls .whl/*.whl | grep -v '/nvidia_cuda_')
   ls .whl/nvidia_cuda_*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
     --upgrade --target /tmp/cuda_headers .whl/nvidia_cuda_*.whl
@@ -44,6 +55,7 @@ for parts in .whl_parts/*/; do  # wheels over one call's 64 MiB arrive a part pe
   [ -f "$parts/MANIFEST" ] && bash scripts/wheel_parts.sh collect "$(basename "$parts")" /tmp/site
 done
 [ -d /tmp/cuda_headers/nvidia/cu13 ] && export CUDAToolkit_ROOT=/tmp/cuda_headers/nvidia/cu13
+[ -d /tmp/flash_site/flash_mla ] && export PYTHONPATH=${PYTHONPATH:-}:/tmp/flash_site  # an earlier call's build
 export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, triton, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'fla', fla.__version__, 'cuda', torch.version.cuda)"
@@ -230,13 +242,74 @@ cute_dsl() {  # the CuTe-DSL runtime for cuDNN's DSA kernels: nvidia-cutlass-dsl
   python3 -c "import cutlass.cute; from cudnn.deepseek_sparse_attention import indexer_forward_wrapper; print('CuTe DSL and cuDNN DSA import')" \
     > "$OUT/cudnn_dsa_import.txt" 2>&1; tail -3 "$OUT/cudnn_dsa_import.txt"
 }
-if want cudnn_dsa_indexer || want cudnn_indexer; then cute_dsl; fi
+if want cudnn_dsa_indexer || want cudnn_indexer || want cudnn_dsa || want recipe_cudnn_dsa; then cute_dsl; fi
+if want cudnn_dsa; then  # both cuDNN DSA backends: GPU tests, then each op's backends side by side
+  for t in sparse_mla_cudnn_gpu indexer_topk_cudnn_gpu; do
+    timeout -s INT -k 20 300 python3 -m pytest -m gpu --kernels-triton-autotune false tests/test_$t.py -v -rs -rf \
+      > "$OUT/pytest_$t.log" 2>&1
+    step "pytest $t" $?; tail -12 "$OUT/pytest_$t.log"
+  done
+  timeout 300 python3 scripts/bench_sparse_mla_backward.py --out "$OUT/bench_sparse_mla_backward.json" \
+    > "$OUT/bench_sparse_mla_backward.md" 2>&1
+  step bench_sparse_mla_backward $?; tail -8 "$OUT/bench_sparse_mla_backward.md"
+fi
+if want recipe_cudnn_dsa; then  # k31_small with both cuDNN DSA backends, from empty caches
+  recipe train_configs/k31_small.toml k31_small_recipe_cudnn_dsa cold --kernels.indexer_topk cudnn \
+    --kernels.sparse_mla cudnn
+fi
+if want flash_mla_build; then  # FlashMLA's two sm90 sparse kernels (~1-2 min on 16 cores), beside the other parts
+  rm -f /tmp/flash_build.rc
+  setsid nohup bash -c "MAX_JOBS=8 bash scripts/build_flash_mla.sh build .src/flash_mla_src.tar.xz /tmp/flash_site \
+    > /tmp/flash_build.log 2>&1; echo \$? > /tmp/flash_build.rc" < /dev/null > /dev/null 2>&1 &
+  echo "flash_mla build started in the background (/tmp/flash_build.log)"
+fi
+if want flash_mla; then
+  for _ in $(seq 1 60); do [ -f /tmp/flash_build.rc ] && break; sleep 5; done
+  cp /tmp/flash_build.log "$OUT/flash_build.log" 2>/dev/null; echo "flash_mla build rc=$(cat /tmp/flash_build.rc 2>&1)"
+  tail -5 /tmp/flash_build.log
+  export PYTHONPATH=$PYTHONPATH:/tmp/flash_site
+  timeout -s INT -k 20 300 python3 -m pytest -m gpu --kernels-triton-autotune false tests/test_sparse_mla_flash_mla_gpu.py \
+    -v -rs -rf > "$OUT/pytest_sparse_mla_flash_mla_gpu.log" 2>&1
+  step pytest_flash_mla $?; tail -12 "$OUT/pytest_sparse_mla_flash_mla_gpu.log"
+  timeout 200 python3 scripts/bench_sparse_mla_forward.py --out "$OUT/bench_sparse_mla_forward.json" \
+    > "$OUT/bench_sparse_mla_forward.md" 2>&1
+  step bench_sparse_mla_forward $?; tail -10 "$OUT/bench_sparse_mla_forward.md"
+fi
+if want numerics; then  # compile error apart from run-to-run spread: lockstep compiled / eager / eager variant
+  timeout 280 python3 scripts/check_compile_numerics.py --config train_configs/k3_small.toml --steps 12 \
+    --variant causal_attention=sdpa --out "$OUT/numerics_bf16.json" > "$OUT/numerics_bf16.log" 2>&1
+  step numerics_bf16 $?; grep -E "^step|^median" "$OUT/numerics_bf16.log" | cut -c1-200
+fi
+if want numerics || want numerics_fp32; then  # fp32 master weights: compiled and eager bf16 against the fp32 truth
+  # (causal_attention = sdpa in all three: varlen takes no fp32, and its fp32 fallback, flex, runs its dense math
+  # eagerly, which ran out of memory at 8,192 tokens and past 280 s at 4,096 in the thirteenth session)
+  timeout 280 python3 scripts/check_compile_numerics.py --config train_configs/k3_small.toml --steps 12 \
+    --variant autocast=off --out "$OUT/numerics_fp32.json" -- "${FP32[@]}" --kernels.causal_attention sdpa \
+    > "$OUT/numerics_fp32.log" 2>&1
+  step numerics_fp32 $?; grep -E "^step|^median" "$OUT/numerics_fp32.log" | cut -c1-200; tail -3 "$OUT/numerics_fp32.log"
+fi
+if want vl_recipe; then  # image-text: the recipe as shipped (eager, fp32 master) against reduce-overhead / module
+  recipe train_configs/k31_vl_small.toml k31_vl_small_recipe cold
+  recipe train_configs/k31_vl_small.toml k31_vl_small_compiled cold --compile.mode reduce-overhead \
+    --compile.granularity module
+  recipe train_configs/k31_vl_small.toml k31_vl_small_compiled_bf16 cold --compile.mode reduce-overhead \
+    --compile.granularity module "${BF16[@]}"
+fi
+if want import_profile; then  # where the start-up's imports go (self / cumulative microseconds, top 30)
+  python3 -X importtime -c "import titan_kimi.train" 2> "$OUT/importtime_train.txt"
+  python3 -X importtime -c "import torch, fla.ops.kda.chunk_fwd, fla.ops.kda.chunk_bwd, liger_kernel.ops.fused_linear_cross_entropy" \
+    2> "$OUT/importtime_backends.txt"
+  step import_profile $?
+  for f in importtime_train importtime_backends; do
+    echo "== $f"; sort -t'|' -k2 -n "$OUT/$f.txt" | tail -30 | cut -c1-140
+  done
+fi
 if want cudnn_indexer; then  # kernels.indexer_topk = cudnn: its GPU tests, then the k31_small recipe with it
   timeout -s INT -k 20 300 python3 -m pytest -m gpu --kernels-triton-autotune false tests/test_indexer_topk_cudnn_gpu.py -v -rs -rf \
     > "$OUT/pytest_indexer_topk_cudnn_gpu.log" 2>&1
   step pytest_indexer_topk_cudnn $?; tail -8 "$OUT/pytest_indexer_topk_cudnn_gpu.log"
 fi
-if want cudnn_dsa_indexer || want cudnn_indexer; then  # cuDNN's sm90 DSA indexer against ours, at K3.1's shape
+if want cudnn_dsa_indexer || want cudnn_indexer || want cudnn_dsa; then  # cuDNN's sm90 DSA indexer vs ours
   timeout 400 python3 scripts/bench_cudnn_dsa_indexer.py --out "$OUT/bench_cudnn_dsa_indexer.json" \
     > "$OUT/bench_cudnn_dsa_indexer.md" 2>&1
   step bench_cudnn_dsa_indexer $?; tail -8 "$OUT/bench_cudnn_dsa_indexer.md"

@@ -16,9 +16,14 @@ from lowerings.ops.indexer_topk import BACKENDS, indexer_topk_reference
 from lowerings.ops.registry import configure_backends
 
 
-def fake_indexer_forward(q, k, w, ratio, sm_scale, q_causal_offsets):
-    """Dense layout, one batch row: scores [1, n, keys], -inf past each query's causal position."""
-    assert ratio == 1 and q.shape[0] == 1 and k.shape[2] == 1 and q_causal_offsets.dtype == torch.int32
+def fake_indexer_forward(q, k, w, ratio, sm_scale, q_causal_offsets=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                         max_seqlen_q=None, max_seqlen_k=None):
+    """Dense layout, one batch row: scores [1, n, keys], -inf past each query's causal position. With cu_seqlens
+    (THD): scores [T, max_seqlen_k] of each query against its own document's keys, -inf past its position."""
+    assert ratio == 1
+    if cu_seqlens_q is not None:
+        return fake_thd_forward(q, k, w, sm_scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    assert q.shape[0] == 1 and k.shape[2] == 1 and q_causal_offsets.dtype == torch.int32
     logits = torch.einsum("bthd,bsd->bths", q.float(), k[:, :, 0].float()) * sm_scale
     scores = torch.einsum("bth,bths->bts", w.float(), torch.relu(logits))
     pos = q_causal_offsets[0] + torch.arange(q.shape[1])
@@ -26,11 +31,32 @@ def fake_indexer_forward(q, k, w, ratio, sm_scale, q_causal_offsets):
     return {"scores": scores}
 
 
+def fake_thd_forward(q, k, w, sm_scale, cu_q, cu_k, max_q, max_k):
+    assert torch.equal(cu_q, cu_k) and max_q == max_k and cu_q.dtype == torch.int32 and k.shape[1] == 1
+    T = q.shape[0]
+    scores = torch.full((T, max_k), float("-inf"))
+    for a, b in zip(cu_q.tolist(), cu_q[1:].tolist()):
+        assert b - a <= max_k, "max_seqlen below a document's length"
+        logits = torch.einsum("thd,sd->ths", q[a:b].float(), k[a:b, 0].float()) * sm_scale
+        doc = torch.einsum("th,ths->ts", w[a:b].float(), torch.relu(logits))
+        causal = torch.arange(b - a)[None, :] <= torch.arange(b - a)[:, None]
+        scores[a:b, :b - a] = doc.masked_fill(~causal, float("-inf"))
+    return {"scores": scores}
+
+
+def fake_local_to_global(local, seqlen_k, cu_seqlens_q, cu_seqlens_k):
+    """Row r's document: the last d with cu_seqlens_q[d] <= r (zero-length tail documents never hold a row)."""
+    doc = torch.searchsorted(cu_seqlens_q[:-1].contiguous(), torch.arange(local.shape[0], dtype=torch.int32),
+                             right=True) - 1
+    start = cu_seqlens_k[doc].unsqueeze(1)
+    return {"indices": torch.where(local >= 0, local + start, -1).to(torch.int32)}
+
+
 def fake_top_k(scores, seq_lens, top_k, next_n, return_val, tie_break, deterministic):
     """Radix top-k over each row's first seq_lens columns: ties to the larger column (tie_break 2), valid picks
     ascending (deterministic), -1 / -inf where a row has fewer than top_k columns. -inf columns are valid
     picks (they are inside the row)."""
-    assert next_n == 1 and return_val and tie_break == 2 and deterministic
+    assert next_n == 1 and tie_break == 2 and deterministic
     n, cols = scores.shape
     inside = torch.arange(cols)[None, :] < seq_lens[:, None].long()
     keyed = torch.where(inside, scores, torch.full_like(scores, float("nan")))
@@ -43,7 +69,7 @@ def fake_top_k(scores, seq_lens, top_k, next_n, return_val, tie_break, determini
         order.sort()
         idx[r, :len(order)] = torch.tensor(order, dtype=torch.int32)
         val[r, :len(order)] = row[order]
-    return {"indices": idx, "values": val}
+    return {"indices": idx, "values": val if return_val else None}
 
 
 def fake_compactify(idx):
@@ -60,6 +86,7 @@ def fake_cudnn(monkeypatch):
     dsa.indexer_forward_wrapper = fake_indexer_forward
     dsa.indexer_top_k_wrapper = fake_top_k
     dsa.compactify_wrapper = fake_compactify
+    dsa.local_to_global_wrapper = fake_local_to_global
     monkeypatch.setitem(sys.modules, "cudnn.deepseek_sparse_attention", dsa)
 
 
@@ -81,6 +108,81 @@ def test_glue_matches_the_reference(fake_cudnn, monkeypatch, docs, cap_rows):
     for topk in (3, 6, 40):
         got = cik.cudnn_indexer_topk(q, k, w, seg, topk, 0.4)
         assert torch.equal(got, indexer_topk_reference(q, k, w, seg, topk, 0.4)), (docs, cap_rows, topk)
+
+
+def padded_cu_seqlens(docs, slots):
+    """The model's cu_seqlens: document starts, then T repeated (zero-length documents) up to ``slots`` + 1."""
+    starts = [sum(docs[:i]) for i in range(len(docs))]
+    return torch.tensor(starts + [sum(docs)] * (slots + 1 - len(starts)), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("docs, slots, bound", [([23], 1, 23), ([5, 1, 9, 8], 8, 23), ([5, 1, 9, 8], 4, 9),
+                                                ([12, 11], 64, 16)])
+def test_the_document_layout_matches_the_reference(fake_cudnn, docs, slots, bound):
+    """THD over the model's padded cu_seqlens with max_seqlen any bound on the longest document."""
+    T = sum(docs)
+    q, k, w = inputs(T, T, seed=7)
+    seg = torch.cat([torch.full((n,), sum(docs[:i]), dtype=torch.int32) for i, n in enumerate(docs)])
+    cu = padded_cu_seqlens(docs, slots)
+    for topk in (3, 6, 40):
+        got = cik.cudnn_indexer_topk(q, k, w, seg, topk, 0.4, cu_seqlens=cu, max_seqlen=bound)
+        assert torch.equal(got, indexer_topk_reference(q, k, w, seg, topk, 0.4)), (docs, slots, bound, topk)
+
+
+def test_the_document_layout_is_skipped_where_it_cannot_run(fake_cudnn, monkeypatch):
+    """Scores over the cap or a context-parallel offset take the dense layout, with the same result."""
+    docs = [5, 1, 9, 8]
+    T = sum(docs)
+    q, k, w = inputs(T, T, seed=9)
+    seg = torch.cat([torch.full((n,), sum(docs[:i]), dtype=torch.int32) for i, n in enumerate(docs)])
+    cu = padded_cu_seqlens(docs, 8)
+    dense, documents = cik._dense, cik._documents
+    used = []
+    monkeypatch.setattr(cik, "_dense", lambda *a: used.append("dense") or dense(*a))
+    monkeypatch.setattr(cik, "_documents", lambda *a: used.append("documents") or documents(*a))
+    want = indexer_topk_reference(q, k, w, seg, 4, 0.4)
+    assert torch.equal(cik.cudnn_indexer_topk(q, k, w, seg, 4, 0.4, cu_seqlens=cu, max_seqlen=T), want)
+    monkeypatch.setattr(cik, "SCORE_BYTES_CAP", 4 * T * T - 1)
+    assert torch.equal(cik.cudnn_indexer_topk(q, k, w, seg, 4, 0.4, cu_seqlens=cu, max_seqlen=T), want)
+    assert torch.equal(cik.cudnn_indexer_topk(q, k, w, seg, 4, 0.4), want)
+    assert used == ["documents", "dense", "dense"]
+
+
+def test_the_op_rejects_documents_without_a_bound():
+    from lowerings.ops.indexer_topk import indexer_topk
+
+    q, k, w = inputs(11, 11)
+    seg = torch.tensor([0] * 5 + [5] * 6, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens \[N\+1 >= 2\] with max_seqlen >= 1; got cu_seqlens "
+                                         r"\(5,\), max_seqlen 0"):
+        indexer_topk(q, k, w, seg, topk=4, scale=0.5, cu_seqlens=padded_cu_seqlens([5, 6], 4), max_seqlen=0)
+    # the other backends ignore the documents: the same result with or without them
+    want = indexer_topk(q, k, w, seg, topk=4, scale=0.5)
+    got = indexer_topk(q, k, w, seg, topk=4, scale=0.5, cu_seqlens=padded_cu_seqlens([5, 6], 4), max_seqlen=11)
+    assert torch.equal(got, want)
+
+
+def test_the_indexer_passes_its_documents(monkeypatch):
+    """The model's indexer hands the padded cu_seqlens and the row length to the op (one document per row: none)."""
+    from titan_kimi.models.kimi_k3 import indexer as indexer_module
+    from titan_kimi.models.kimi_k3.flavors import model_args_for
+    from titan_kimi.models.kimi_k3.sequence import build_sequence_info
+
+    args = model_args_for("k31_debug")
+    layer = indexer_module.Indexer(args)
+    seen = []
+    real = indexer_module.ops.indexer_topk
+    monkeypatch.setattr(indexer_module.ops, "indexer_topk",
+                        lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    B, S = 2, 12
+    x = torch.randn(B, S, args.dim)
+    q_latent = torch.randn(B, S, args.q_lora_rank)
+    doc_ids = torch.tensor([[1] * 5 + [2] * 7, [3] * 12])
+    seq = build_sequence_info(B, S, x.device, doc_ids)
+    layer(x, q_latent, seq)
+    layer(x, q_latent, build_sequence_info(B, S, x.device))
+    assert torch.equal(seen[0]["cu_seqlens"], seq.cu_seqlens) and seen[0]["max_seqlen"] == S
+    assert seen[1]["cu_seqlens"] is None and seen[1]["max_seqlen"] == 0
 
 
 def test_glue_with_an_offset_into_the_keys(fake_cudnn, monkeypatch):

@@ -78,6 +78,51 @@ def test_cudnn_matches_the_reference_and_triton(docs):
     assert (got == ours).all(1).float().mean().item() >= 0.99
 
 
+def padded_cu_seqlens(docs: list[int], slots: int = 64) -> torch.Tensor:
+    """The model's cu_seqlens: document starts, then T repeated up to ``slots`` + 1 entries."""
+    starts = [sum(docs[:i]) for i in range(len(docs))]
+    return torch.tensor(starts + [sum(docs)] * (slots + 1 - len(starts)), dtype=torch.int32, device="cuda")
+
+
+@pytest.mark.parametrize("docs", [[4096], [1000, 1000, 1000, 1096], [1, 300, 2500, 1295]],
+                         ids=["one_doc", "docs_1000", "short_and_long"])
+def test_the_document_layout_matches_the_reference_and_the_dense_one(docs):
+    """THD over the model's padded cu_seqlens with max_seqlen = the row length (what the model passes)."""
+    T = sum(docs)
+    q, k, w = make(T, T, seed=20 + len(docs))
+    seg, scale = seg_starts(docs), D**-0.5
+    got = cik.cudnn_indexer_topk(q, k, w, seg, TOPK, scale, cu_seqlens=padded_cu_seqlens(docs), max_seqlen=T)
+    check(got, scores_fp64(q, k, w, seg, scale))
+    dense = cik.cudnn_indexer_topk(q, k, w, seg, TOPK, scale)
+    assert (got == dense).all(1).float().mean().item() >= 0.99
+
+
+def test_the_document_layout_replays_in_a_cuda_graph_on_another_layout():
+    """Captured on one document layout, replayed on another with the same cu_seqlens shape: equal to eager."""
+    T = 4096
+    q, k, w = make(T, T, seed=31)
+    docs = [T]
+    seg, cu = seg_starts(docs), padded_cu_seqlens(docs)
+    scale = D**-0.5
+    run = lambda: cik.cudnn_indexer_topk(q, k, w, seg, TOPK, scale, cu_seqlens=cu, max_seqlen=T)  # noqa: E731
+    run()  # compiles the kernels outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    q2, k2, w2 = make(T, T, seed=32)
+    docs2 = [700, 3000, 396]
+    q.copy_(q2), k.copy_(k2), w.copy_(w2), seg.copy_(seg_starts(docs2)), cu.copy_(padded_cu_seqlens(docs2))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run())
+    check(out, scores_fp64(q, k, w, seg, scale))
+
+
 def test_cudnn_with_an_offset_and_row_chunks(monkeypatch):
     """A context-parallel run (queries 2,048.. of a 4,096-key row) in one chunk and in four."""
     T, off = 2048, 2048

@@ -77,8 +77,8 @@ def test_the_replaced_environment_variables_are_refused(monkeypatch):
 def test_backend_libraries_are_imported_for_the_chosen_backends_only(monkeypatch):
     from titan_kimi.training import kernels
 
-    monkeypatch.setattr(kernels, "_BACKEND_MODULES", {("kda", "fla"): ("json", "csv"),
-                                                      ("linear_cross_entropy", "liger"): ("no_such_module",)})
+    monkeypatch.setattr(kernels, "_BACKEND_MODULES", {("kda", "fla"): (("json", "csv"), (), ()),
+                                                      ("linear_cross_entropy", "liger"): (("no_such_module",), (), ())})
     assert kernels.import_backend_libraries({"kda": "fla", "linear_cross_entropy": "reference"}) == ["json", "csv"]
     with pytest.raises(ModuleNotFoundError):
         kernels.import_backend_libraries({"linear_cross_entropy": "liger"})

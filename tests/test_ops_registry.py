@@ -32,7 +32,9 @@ def test_opcheck_every_op():
 
 @pytest.mark.parametrize("op, name, reason", [
     ("kda", "cudnn", "no CUDA device"),
-    ("sparse_mla", "flash_mla", "not wired into titan_kimi yet"),
+    ("sparse_mla", "flash_mla", "no CUDA device"),
+    ("sparse_mla", "cudnn", "no CUDA device"),
+    ("indexer_topk", "cudnn", "no CUDA device"),
     ("sparse_mla", "triton", "no CUDA device"),
     ("kda", "fla", "no CUDA device|not installed"),
 ])
@@ -52,3 +54,27 @@ def test_unknown_backend_and_auto():
     expected = "triton" if torch.cuda.is_available() else "reference"
     assert resolved == {"situ_glu": expected, "attn_res_mix": expected}
     configure_backends({"situ_glu": "reference", "attn_res_mix": "reference"})
+
+
+def test_ops_the_model_never_calls_skip_their_availability_checks(monkeypatch):
+    """auto for an unused op takes the reference without running any check; a named backend is still checked."""
+    from lowerings.ops.sparse_mla import BACKENDS as SPARSE
+
+    calls = []
+    monkeypatch.setitem(SPARSE.checks, "cudnn", lambda: calls.append("cudnn") or "would import a large runtime")
+    before = selected_backend("sparse_mla")
+    try:
+        assert configure_backends({"sparse_mla": "auto"}, unused={"sparse_mla"}) == {"sparse_mla": "reference"}
+        assert calls == [] and selected_backend("sparse_mla") == "reference"
+        with pytest.raises(ValueError, match="would import a large runtime"):
+            configure_backends({"sparse_mla": "cudnn"}, unused={"sparse_mla"})
+    finally:
+        configure_backends({"sparse_mla": before})
+
+
+def test_the_text_model_does_not_use_the_indexer_ops():
+    from titan_kimi.models.kimi_k3.flavors import model_args_for
+    from titan_kimi.training.kernels import unused_ops
+
+    assert unused_ops(model_args_for("k3_small")) == {"indexer_topk", "sparse_mla"}
+    assert unused_ops(model_args_for("k31_small")) == set()

@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if world_size != env.world_size:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
-    resolved = configure_kernels(cfg.kernels)
+    resolved = configure_kernels(cfg.kernels, args)
     logger.info("kernels: %s", describe_kernels(resolved))
     modules = ModulePrewarm()
     if cfg.compile.prewarm_modules:

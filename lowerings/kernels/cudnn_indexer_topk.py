@@ -1,20 +1,20 @@
 """``kernels.indexer_topk = cudnn``: cuDNN frontend's DSA indexer kernels (CuTe DSL, sm90) behind the indexer op.
 
-Per chunk of query rows (the fp32 scores of one chunk stay under ``SCORE_BYTES_CAP``):
+Two layouts, both ending in cuDNN's radix top-k (ties to the larger key index, the most recent key, as the
+reference breaks them; deterministic: valid picks ascending, -1 after them):
 
-1. ``indexer_forward_wrapper`` in its dense layout (one batch row, ``ratio = 1``: uncompressed keys) writes
-   ``sm_scale * sum_h w[t,h] relu(q[t,h].k[s])`` for the chunk against the keys up to its last query, -inf past
-   each query's causal position; ``q_causal_offsets`` places the chunk's first query among the keys (a
-   context-parallel rank's run of queries, or a later chunk).
-2. Keys before the query's document start become -inf (one masked write over the chunk's scores).
-3. ``indexer_top_k_wrapper``: a radix top-k per row over its causal prefix, ties to the larger key index (the
-   most recent key, as the reference breaks them), deterministic (valid picks ascending).
-4. Picks with a -inf score (rows whose document holds fewer than k keys) become -1, and ``compactify_wrapper``
-   packs each row's valid picks to the front: ascending, -1 suffix, the op's contract.
-
-Dense rather than cuDNN's THD layout because THD needs the longest document as a host integer: the op sees only
-``seg_start`` on the device, and reading it back would be a host sync in every MLA layer. The cost is scoring
-keys of earlier documents that step 2 then masks (scripts/bench_cudnn_dsa_indexer.py measures both layouts).
+- **Documents (THD)**, when the caller passes the documents' ``cu_seqlens`` and a bound ``max_seqlen`` on their
+  length (the model passes its padded ``cu_seqlens`` and the row length, so nothing is read back to the host and
+  the shapes never change): ``indexer_forward_wrapper`` scores each query against its own document only, fp32
+  ``[T, max_seqlen]``; the top-k runs over each query's causal prefix inside the document
+  (``t - seg_start[t] + 1`` columns); ``local_to_global_wrapper`` adds the document start back. Every key inside
+  that prefix has a finite score, so nothing needs compacting.
+- **Dense**, otherwise (no ``cu_seqlens``, a context-parallel run of queries, or THD scores over
+  ``SCORE_BYTES_CAP``), per chunk of query rows: scores against the keys up to the chunk's last query (-inf past
+  each query's causal position; ``q_causal_offsets`` places the chunk among the keys), keys before the query's
+  document start masked to -inf, the top-k over the causal prefix, -inf picks set to -1 and
+  ``compactify_wrapper`` packing each row's valid picks to the front. It scores keys of earlier documents only to
+  throw them away (scripts/bench_cudnn_dsa_indexer.py measures both layouts).
 
 Calls the kernels cannot take (not bf16 q/k, head dim other than 128, an index head count other than 16, 32 or
 64, or a GPU other than sm90) go to the Triton kernel: :func:`cudnn_takes` says why.
@@ -22,37 +22,21 @@ Calls the kernels cannot take (not bf16 q/k, head dim other than 128, an index h
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
+
+from lowerings.kernels.cudnn_dsa_runtime import dsa_unavailable_reason
 
 # fp32 scores of one row chunk, at most (the reference and the Triton kernel bound theirs alike)
 SCORE_BYTES_CAP = 1 << 30
 HEAD_DIM = 128
 INDEX_HEADS = (16, 32, 64)  # the sm90 kernel's query heads per key head (one key head)
 MAX_TOPK = 2048  # the radix top-k kernel's limit
-# the frontend's DSA kernels and the CuTe-DSL runtime they are written in (nvidia-cutlass-dsl[cu13], whose
-# runtime imports tvm_ffi from apache-tvm-ffi)
-_MODULES = ("cudnn", "cutlass", "tvm_ffi")
 
 
 def unavailable_reason() -> str | None:
     """None when the cudnn indexer backend can run on this machine, else why not."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    capability = torch.cuda.get_device_capability()
-    if capability != (9, 0):
-        return (f"the cuDNN frontend's sm90 DSA indexer needs compute capability 9.0; this GPU "
-                f"({torch.cuda.get_device_name()}) has {capability[0]}.{capability[1]}")
-    for module in _MODULES:
-        if importlib.util.find_spec(module) is None:
-            return (f"python module {module!r} is not installed (the cudnn indexer needs nvidia-cudnn-frontend, "
-                    "nvidia-cutlass-dsl[cu13] and apache-tvm-ffi: pip install 'titan_kimi[gpu]')")
-    try:
-        from cudnn.deepseek_sparse_attention import indexer_forward_wrapper  # noqa: F401  (imports CuTe DSL)
-    except Exception as err:  # a broken runtime says so at config time, not mid-step
-        return f"cudnn.deepseek_sparse_attention does not import: {type(err).__name__}: {err}"
-    return None
+    return dsa_unavailable_reason("the cudnn indexer backend", "cudnn.deepseek_sparse_attention",
+                                  "indexer_forward_wrapper")
 
 
 def cudnn_takes(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int) -> str | None:
@@ -73,14 +57,45 @@ def cudnn_takes(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int) ->
 
 
 def cudnn_indexer_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int,
-                       scale: float, q_offset: int = 0) -> torch.Tensor:
+                       scale: float, q_offset: int = 0, cu_seqlens: torch.Tensor | None = None,
+                       max_seqlen: int = 0) -> torch.Tensor:
     """The op's contract (lowerings/ops/indexer_topk.py): ``[T, min(topk, Tk)]`` int32 key ids per query,
     ascending, -1 in unused slots; query t at key position ``q_offset + t`` sees keys
-    ``seg_start[t] <= s <= q_offset + t``."""
+    ``seg_start[t] <= s <= q_offset + t``. ``cu_seqlens`` (the same documents as ``seg_start``, padded with
+    zero-length ones at the end) and ``max_seqlen`` (at least the longest document) select the THD layout."""
+    T = q.shape[0]
+    if (cu_seqlens is not None and q_offset == 0 and k.shape[0] == T and 0 < max_seqlen
+            and 4 * T * max_seqlen <= SCORE_BYTES_CAP):
+        return _documents(q, k, w, seg_start, topk, scale, cu_seqlens, max_seqlen)
+    return _dense(q, k, w, seg_start, topk, scale, q_offset)
+
+
+def _documents(q, k, w, seg_start, topk, scale, cu_seqlens, max_seqlen):
+    from cudnn.deepseek_sparse_attention import (indexer_forward_wrapper, indexer_top_k_wrapper,
+                                                 local_to_global_wrapper)
+
+    T, _, D = q.shape
+    width = min(topk, T)
+    out = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
+    if T == 0:
+        return out
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    scores = indexer_forward_wrapper(q.contiguous(), k.contiguous().view(T, 1, D), w.contiguous(), ratio=1,
+                                     sm_scale=scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
+                                     max_seqlen_k=max_seqlen)["scores"]  # [T, max_seqlen], document-local keys
+    prefix = (torch.arange(T, dtype=torch.int32, device=q.device) - seg_start.to(torch.int32) + 1).contiguous()
+    kc = min(width, max_seqlen)
+    local = indexer_top_k_wrapper(scores, prefix, top_k=kc, next_n=1, return_val=False, tie_break=2,
+                                  deterministic=True)["indices"]
+    out[:, :kc] = local_to_global_wrapper(local, max_seqlen, cu_seqlens_q=cu, cu_seqlens_k=cu)["indices"]
+    return out
+
+
+def _dense(q, k, w, seg_start, topk, scale, q_offset):
     from cudnn.deepseek_sparse_attention import (compactify_wrapper, indexer_forward_wrapper,
                                                  indexer_top_k_wrapper)
 
-    T, HI, D = q.shape
+    T, _, D = q.shape
     width = min(topk, k.shape[0])
     out = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
     if T == 0:

@@ -16,7 +16,9 @@ def _cudnn_available() -> str | None:  # sm90, the cuDNN frontend's DSA kernels 
 
 BACKENDS = op_backends("indexer_topk")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
-BACKENDS.add("cudnn", _cudnn_available)
+# auto's first choice where cuDNN's DSA runtime is installed: its document-wise (THD) layout measured faster than
+# the Triton kernel on every layout at K3.1's shape with the same selections (docs/perf.md, docs/ops.md)
+BACKENDS.add("cudnn", _cudnn_available, auto_rank=0)
 
 # Row chunks keep the fp32 [rows, heads, T] intermediate under this many bytes, so long sequences never
 # materialise the whole [T, T] score matrix.
@@ -72,14 +74,14 @@ def indexer_topk_reference(
 @torch.library.custom_op("titan_kimi::indexer_topk", mutates_args=())
 def indexer_topk_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float,
-    q_offset: int = 0,
+    q_offset: int = 0, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
 ) -> torch.Tensor:
     backend = selected_backend("indexer_topk")
     if backend == "cudnn" and q.is_cuda:
         from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk, cudnn_takes
 
         if cudnn_takes(q, k, w, topk) is None:
-            return cudnn_indexer_topk(q, k, w, seg_start, topk, scale, q_offset)
+            return cudnn_indexer_topk(q, k, w, seg_start, topk, scale, q_offset, cu_seqlens, max_seqlen)
         backend = "triton"  # calls the cuDNN kernels cannot take (dtype, head shape): the Triton kernel
     if backend == "triton" and q.is_cuda:
         from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
@@ -89,19 +91,23 @@ def indexer_topk_op(
 
 
 @indexer_topk_op.register_fake
-def _(q, k, w, seg_start, topk, scale, q_offset=0):
+def _(q, k, w, seg_start, topk, scale, q_offset=0, cu_seqlens=None, max_seqlen=0):
     return q.new_empty((q.shape[0], min(topk, k.shape[0])), dtype=torch.int32)
 
 
 def indexer_topk(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, *, topk: int, scale: float,
-    q_offset: int = 0,
+    q_offset: int = 0, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
 ) -> torch.Tensor:
     """Indices ``[T, min(topk, Tk)]`` (int32, ascending, -1 = empty) of the keys each query attends to.
 
     ``k [Tk, D]`` holds the keys; query t sits at key position ``q_offset + t`` and sees keys
     ``seg_start[t] <= s <= q_offset + t``. The default (q_offset 0, Tk = T) is a sequence querying itself; a
     context-parallel rank passes a run of its queries against the gathered keys.
+
+    ``cu_seqlens`` (int32 document starts, ``T`` last; may repeat ``T`` as zero-length documents at the end) and
+    ``max_seqlen`` (a bound on the longest document) describe the same documents as ``seg_start``, for backends
+    that work per document (``cudnn``); the others ignore them and the result is the same.
     """
     T = q.shape[0]
     if (q.dim() != 3 or k.dim() != 2 or k.shape[1] != q.shape[2] or k.shape[0] < q_offset + T or q_offset < 0
@@ -112,4 +118,10 @@ def indexer_topk(
         )
     if topk < 1:
         raise ValueError(f"indexer_topk needs topk >= 1, got {topk}")
-    return indexer_topk_op(q.detach(), k.detach(), w.detach(), seg_start.to(torch.int32), topk, scale, q_offset)
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or max_seqlen < 1):
+        raise ValueError(f"indexer_topk needs cu_seqlens [N+1 >= 2] with max_seqlen >= 1; got cu_seqlens "
+                         f"{tuple(cu_seqlens.shape)}, max_seqlen {max_seqlen}")
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.int32)
+    return indexer_topk_op(q.detach(), k.detach(), w.detach(), seg_start.to(torch.int32), topk, scale, q_offset,
+                           cu_seqlens, max_seqlen)

@@ -100,19 +100,28 @@ def known_ops() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def configure_backends(choices: Mapping[str, str]) -> dict[str, str]:
+def configure_backends(choices: Mapping[str, str], unused: Iterable[str] = ()) -> dict[str, str]:
     """Validate and apply ``{op: backend}`` (the ``[kernels]`` section); returns the resolved choices.
 
-    All choices are checked before any is applied, so a bad config changes nothing.
+    All choices are checked before any is applied, so a bad config changes nothing. ``unused``: ops the model
+    never calls; left at ``auto`` they take their reference backend without checking the others (an availability
+    check can import a large library, e.g. cuDNN's CuTe-DSL runtime: seconds of start-up for nothing), while a
+    named backend is still checked.
     """
+    unused = set(unused)
     resolved = {}
     for op, name in choices.items():
         if op not in _REGISTRY:
             raise ValueError(f"kernels.{op}: unknown op; valid ops: {known_ops()}")
+        if name == "auto" and op in unused:
+            resolved[op] = BACKEND_OPS[op].reference
+            continue
         resolved[op] = _REGISTRY[op].resolve(name)
     for op, name in resolved.items():
         _REGISTRY[op].selected = name
-        if choices[op] == "auto":
+        if choices[op] == "auto" and op in unused:
+            logger.info("kernels.%s = auto: not used by this model", op)
+        elif choices[op] == "auto":
             skipped = _REGISTRY[op].resolve_auto()[1]
             because = "; ".join(f"{k}: {v}" for k, v in skipped.items())
             logger.info("kernels.%s = auto -> %s%s", op, name, f" (skipped {because})" if because else "")

@@ -4,13 +4,35 @@ from __future__ import annotations
 
 import torch
 
-from lowerings.ops.registry import cuda_available, not_built, op_backends, selected_backend
+from lowerings.ops.registry import cuda_available, op_backends, selected_backend
 
 BACKENDS = op_backends("sparse_mla")
 BACKENDS.add("dense")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
-BACKENDS.add("cudnn", not_built("the cuDNN frontend sparse-attention backend"))
-BACKENDS.add("flash_mla", not_built("the FlashMLA sparse forward (used only where a flash_mla module is importable)"))
+
+
+def _cudnn_available() -> str | None:  # sm90, cuDNN frontend's DSA backward and the CuTe-DSL runtime
+    from lowerings.kernels.cudnn_sparse_mla_bwd import unavailable_reason
+
+    return unavailable_reason()
+
+
+# cudnn: our forward (cuDNN has no sm90 sparse forward) with cuDNN's sm90 DSA backward. auto's first choice: at
+# T = 8,192, top-2,048 on the H200 its backward takes 26.2 ms against Triton's 45.1 at 96 heads (12.2 / 16.5 at 16)
+# with the same error, so forward + backward beats flash_mla's (FlashMLA forward + Triton backward) too
+BACKENDS.add("cudnn", _cudnn_available, auto_rank=0)
+
+
+def _flash_mla_available() -> str | None:  # sm90 and an importable flash_mla (scripts/build_flash_mla.sh)
+    from lowerings.kernels.flash_mla_sparse import unavailable_reason
+
+    return unavailable_reason()
+
+
+# flash_mla: FlashMLA's sm90 sparse prefill forward with our Triton backward (FlashMLA has no sparse backward);
+# calls it cannot take (dtype, head dims) run our forward. auto's choice after cudnn: its forward measured 8.0 ms
+# against our Gluon kernel's 8.9 at 96 heads (3.8 / 4.5 at 16), the backward being the same
+BACKENDS.add("flash_mla", _flash_mla_available, auto_rank=1)
 
 
 def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, equation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +70,33 @@ def sparse_mla_dense(
     return out.to(q.dtype), lse
 
 
+def forward_kernel(backend: str, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int,
+                   *, cuda: bool | None = None) -> str:
+    """The forward ``_forward`` runs for this call under ``backend``: "flash_mla", "triton", "dense" or
+    "reference". ``cuda`` (default ``q.is_cuda``) lets tests ask for the GPU decision with CPU tensors."""
+    cuda = q.is_cuda if cuda is None else cuda
+    if backend == "flash_mla" and cuda:
+        from lowerings.kernels.flash_mla_sparse import flash_mla_takes
+
+        return "flash_mla" if flash_mla_takes(q, kv, idx, d_v) is None else "triton"
+    if backend in ("triton", "cudnn") and cuda:
+        return "triton"
+    if backend == "dense":
+        return "dense"
+    return "reference"
+
+
 def _forward(q, kv, idx, scale, d_v):
-    backend = selected_backend("sparse_mla")
-    if backend == "triton" and q.is_cuda:
+    kernel = forward_kernel(selected_backend("sparse_mla"), q, kv, idx, d_v)
+    if kernel == "flash_mla":
+        from lowerings.kernels.flash_mla_sparse import flash_mla_sparse_forward
+
+        return flash_mla_sparse_forward(q, kv, idx, scale, d_v)
+    if kernel == "triton":
         from lowerings.kernels.sparse_mla_fwd import sparse_mla_forward
 
         return sparse_mla_forward(q, kv, idx, scale, d_v)
-    if backend == "dense":
+    if kernel == "dense":
         return sparse_mla_dense(q, kv, idx, scale, d_v)
     return sparse_mla_reference(q, kv, idx, scale, d_v)
 
@@ -85,7 +127,13 @@ def sparse_mla_backward_op(
 ) -> list[torch.Tensor]:
     """Gradients for (q, kv). Fused backends reuse ``out`` and ``lse``; the reference recomputes."""
     backend = selected_backend("sparse_mla")
-    if backend == "triton" and q.is_cuda:
+    if backend == "cudnn" and q.is_cuda:
+        from lowerings.kernels.cudnn_sparse_mla_bwd import cudnn_sparse_mla_backward, cudnn_takes
+
+        if cudnn_takes(q, kv, idx, d_v) is None:
+            return list(cudnn_sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))
+        backend = "triton"  # calls cuDNN's kernel cannot take (dtype, head dims): the Triton backward
+    if backend in ("triton", "flash_mla") and q.is_cuda:  # FlashMLA has no sparse backward: ours reads its out/lse
         from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
 
         return list(sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))

@@ -14,11 +14,19 @@ from lowerings.settings import KernelSettings, configure_kernel_settings, refuse
 SETTINGS = tuple(KernelSettings.__dataclass_fields__)
 
 
-def configure_kernels(kernels: Any) -> dict[str, Any]:
+def unused_ops(args: Any) -> set[str]:
+    """The ``[kernels]`` ops a model of these args never calls: the indexer and sparse MLA without a K3.1
+    indexer (every op may run in a K3.1 model: its DSA layers take the dense path only for short documents)."""
+    return set() if args.has_indexer else {"indexer_topk", "sparse_mla"}
+
+
+def configure_kernels(kernels: Any, args: Any = None) -> dict[str, Any]:
     """Validates and applies the section (nothing changes if a backend cannot run here); returns
-    ``{op: resolved backend, setting: value}`` for the log line."""
+    ``{op: resolved backend, setting: value}`` for the log line. With the model's ``args``, ops it never calls
+    keep ``auto`` unresolved (``unused_ops``): no availability check, no library imported for them."""
     refuse_replaced_environment(os.environ)
-    resolved: dict[str, Any] = configure_backends({op: getattr(kernels, op) for op in BACKEND_OPS})
+    unused = unused_ops(args) if args is not None else set()
+    resolved: dict[str, Any] = configure_backends({op: getattr(kernels, op) for op in BACKEND_OPS}, unused)
     settings = configure_kernel_settings(**{name: getattr(kernels, name) for name in SETTINGS})
     resolved.update({name: getattr(settings, name) for name in SETTINGS})
     return resolved
@@ -28,22 +36,27 @@ def describe(resolved: dict[str, Any]) -> str:
     return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in resolved.items())
 
 
-# The libraries behind backends that import lazily, at their first call.
+# The libraries behind backends that import lazily, at their first call: (modules, packages whose __init__ may
+# wait, optional dependencies imported as if absent); see lowerings/kernels/quick_imports.py for why.
 _BACKEND_MODULES = {
-    ("kda", "fla"): ("fla.modules.norm.l2norm", "fla.ops.kda.chunk_fwd", "fla.ops.kda.chunk_bwd",
-                     "fla.ops.utils.index"),
-    ("linear_cross_entropy", "liger"): ("liger_kernel.ops.fused_linear_cross_entropy",),
+    ("kda", "fla"): (("fla.modules.norm.l2norm", "fla.ops.kda.chunk_fwd", "fla.ops.kda.chunk_bwd",
+                      "fla.ops.utils.index"), ("fla.ops", "fla.modules"), ()),
+    ("linear_cross_entropy", "liger"): (("liger_kernel.ops.fused_linear_cross_entropy",), (), ("peft",)),
 }
 
 
 def import_backend_libraries(resolved: dict[str, Any]) -> list[str]:
     """Import the chosen backends' libraries before the first step (after FLA's configs are prepared, which FLA
     reads at import). Imported inside the first step, a library that registers pytree nodes changes a guard of
-    every graph compiled before it, and Dynamo compiles those again at step 2. Returns the modules imported."""
-    import importlib
+    every graph compiled before it, and Dynamo compiles those again at step 2. Only the modules the backends
+    call are imported (their libraries' package ``__init__`` and unused optional dependencies wait until someone
+    asks for them). Returns the modules imported."""
+    from lowerings.kernels.quick_imports import quick_import
 
-    names = [name for (op, backend), modules in _BACKEND_MODULES.items() if resolved.get(op) == backend
-             for name in modules]
-    for name in names:
-        importlib.import_module(name)
+    names = []
+    for (op, backend), (modules, defer, without) in _BACKEND_MODULES.items():
+        if resolved.get(op) == backend:
+            for name in modules:
+                quick_import(name, defer=defer, without=without)
+                names.append(name)
     return names

@@ -40,7 +40,10 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float().view(T, self.n_heads) * (self.n_heads**-0.5)
         scale = 1.0 / math.sqrt(self.head_dim)
         if seq.exchange is None:
-            return ops.indexer_topk(q, k.view(T, self.head_dim), w, seq.flat_seg_start, topk=self.topk, scale=scale)
+            # cu_seqlens and the row length let per-document backends score each query against its document only
+            bound = seq.seq_len if seq.cu_seqlens is not None else 0
+            return ops.indexer_topk(q, k.view(T, self.head_dim), w, seq.flat_seg_start, topk=self.topk, scale=scale,
+                                    cu_seqlens=seq.cu_seqlens, max_seqlen=bound)
         return self._context_parallel(q, k, w, seq, scale)
 
     def _context_parallel(self, q, k, w, seq: SequenceInfo, scale: float) -> torch.Tensor:
