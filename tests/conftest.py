@@ -5,6 +5,7 @@ first ``import triton`` (Triton's own language library is decorated at import ti
 Triton indirectly (torch.library.opcheck, Inductor), so it is set here, before any test module loads.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -55,13 +56,22 @@ def shipped_reference(tmp_path_factory):
     return get
 
 
+@contextlib.contextmanager
+def backend_selected(op: str, name: str):
+    """``kernels.<op> = name`` (checked as the config would be) inside the block, then the selection it had."""
+    from lowerings.ops import configure_backends, op_backends
+
+    backends = op_backends(op)
+    saved = backends.selected
+    configure_backends({op: name})
+    try:
+        yield
+    finally:
+        backends.selected = saved
+
+
 @pytest.fixture
 def flex_backend():
     """kernels.causal_attention = flex for one test, then the selection it had."""
-    from lowerings.ops import configure_backends, op_backends
-
-    backends = op_backends("causal_attention")
-    saved = backends.selected
-    configure_backends({"causal_attention": "flex"})
-    yield
-    backends.selected = saved
+    with backend_selected("causal_attention", "flex"):
+        yield

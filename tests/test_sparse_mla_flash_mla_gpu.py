@@ -18,6 +18,7 @@ import torch
 
 from lowerings.kernels import flash_mla_sparse as fm
 from lowerings.ops.sparse_mla import sparse_mla_reference
+from conftest import backend_selected
 from test_triton_kernels import _k3_sparse_problem, assert_lse_close, ref_sparse_mla_grads, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -28,9 +29,7 @@ DV = 512
 
 @pytest.fixture(autouse=True)
 def needs_flash_mla():
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    reason = fm.unavailable_reason()
+    reason = fm.unavailable_reason()  # "no CUDA device" first, then the kernels' own reasons
     if reason is not None:
         pytest.skip(reason)
 
@@ -93,13 +92,8 @@ def test_flash_mla_forward_matches_the_reference_and_triton(T, H, k, flash_mla_c
 
 @pytest.fixture
 def flash_mla_backend():
-    from lowerings.ops import configure_backends, op_backends
-
-    backends = op_backends("sparse_mla")
-    saved = backends.selected
-    configure_backends({"sparse_mla": "flash_mla"})
-    yield
-    backends.selected = saved
+    with backend_selected("sparse_mla", "flash_mla"):
+        yield
 
 
 @pytest.mark.parametrize("T, H, k", [(2048, 96, 2048), (1024, 16, 512)])

@@ -79,7 +79,7 @@ def _documents(q, k, w, seg_start, topk, scale, cu_seqlens, max_seqlen):
     out = torch.full((T, width), -1, dtype=torch.int32, device=q.device)
     if T == 0:
         return out
-    cu = cu_seqlens.to(torch.int32).contiguous()
+    cu = cu_seqlens.contiguous()  # int32: the op's wrapper casts it
     scores = indexer_forward_wrapper(q.contiguous(), k.contiguous().view(T, 1, D), w.contiguous(), ratio=1,
                                      sm_scale=scale, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_seqlen,
                                      max_seqlen_k=max_seqlen)["scores"]  # [T, max_seqlen], document-local keys

@@ -173,15 +173,6 @@ def module_available(module: str) -> AvailabilityCheck:
     return check
 
 
-def not_built(what: str) -> AvailabilityCheck:
-    """A backend the config may name but titan_kimi does not wire yet: selecting it fails with this reason."""
-
-    def check() -> str | None:
-        return f"{what} is not wired into titan_kimi yet"
-
-    return check
-
-
 def all_of(*checks: AvailabilityCheck) -> AvailabilityCheck:
     def check() -> str | None:
         for c in checks:
