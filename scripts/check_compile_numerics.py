@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import time
@@ -81,6 +82,12 @@ def worst_parameters(names: list[str], a: list[torch.Tensor], b: list[torch.Tens
     return sorted(rel, key=lambda r: -r[1])[:n]
 
 
+def progress(step: int, what: str, t0: float) -> None:
+    # Each pass can take minutes the first time (compiles; FLA tuning a dtype it has no shipped configs for):
+    # say which one finished, so a run cut short by its time limit shows where the time went.
+    print(f"  step {step}: {what} pass done at {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/k3_small.toml")
@@ -95,7 +102,10 @@ def main() -> int:
     op, _, backend = opts.variant.partition("=")
     if not backend:
         parser.error(f"--variant {opts.variant!r}: expected op=backend, e.g. causal_attention=sdpa")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the trainer's own lines
+    started = time.perf_counter()
     cfg, trainer = build_trainer(opts.config, opts.steps, opts.dump, argv[split + 1:])
+    print(f"trainer built in {time.perf_counter() - started:.1f} s", flush=True)
     from lowerings.ops.registry import configure_backends, selected_backend
 
     if op == "autocast":
@@ -123,13 +133,16 @@ def main() -> int:
         batch = {k: v.to(trainer.device) for k, v in host.items()}
         keys = longest_document(host["doc_ids"])
         compiled_loss, compiled = loss_and_grads(trainer, batch, normalizer, keys)
+        progress(step, "compiled", t0)
         with torch.compiler.set_stance("force_eager"):
             eager_loss, eager = loss_and_grads(trainer, batch, normalizer, keys)
+            progress(step, "eager", t0)
             use_variant(True)
             try:
                 variant_loss, variant = loss_and_grads(trainer, batch, normalizer, keys)
             finally:
                 use_variant(False)
+            progress(step, opts.variant, t0)
         row = {
             "step": step, "loss_eager": eager_loss, "loss_compiled": compiled_loss, "loss_variant": variant_loss,
             "loss_rel_compiled": abs(compiled_loss - eager_loss) / abs(eager_loss),

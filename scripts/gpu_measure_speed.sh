@@ -29,13 +29,15 @@
 #   cudnn_indexer (kernels.indexer_topk = cudnn: its GPU tests, the same benchmark, the k31_small recipe with it),
 #   cudnn_dsa (both cuDNN DSA backends, indexer_topk = cudnn in its THD layout and sparse_mla = cudnn: their GPU
 #   tests, scripts/bench_sparse_mla_backward.py and the indexer benchmark), recipe_cudnn_dsa (k31_small from empty
-#   caches with both), import_profile (python -X importtime of the trainer's imports, and of FLA's KDA modules),
+#   caches with both), cudnn_dsa_tests (cudnn_dsa's GPU tests alone), import_profile (python -X importtime of the trainer's imports, and of FLA's KDA modules),
 #   flash_mla_build (scripts/build_flash_mla.sh from the carried .src/flash_mla_src.tar.xz into /tmp/flash_site, in
 #   the background: it outlives the call while the machine stays warm), flash_mla (waits for that build, then
 #   kernels.sparse_mla = flash_mla's GPU tests and scripts/bench_sparse_mla_forward.py), numerics
 #   (scripts/check_compile_numerics.py: the compiled k3_small step against eager on the same weights, bf16 with
 #   the sdpa variant and fp32 master weights against the fp32 truth; numerics_fp32 the latter alone), vl_recipe (the
-#   image-text k31_vl_small recipe as shipped, then compiled like the text recipes: which mode it should ship)
+#   image-text k31_vl_small recipe as shipped, then compiled like the text recipes: which mode it should ship),
+#   vl_recipe_ro (the image-text recipe under reduce-overhead, bf16: the vision blocks without CUDA graphs);
+#   NUMERICS_STEPS / NUMERICS_TIMEOUT / NUMERICS_FP32_EXTRA shape the numerics_fp32 part
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -242,13 +244,17 @@ cute_dsl() {  # the CuTe-DSL runtime for cuDNN's DSA kernels: nvidia-cutlass-dsl
   python3 -c "import cutlass.cute; from cudnn.deepseek_sparse_attention import indexer_forward_wrapper; print('CuTe DSL and cuDNN DSA import')" \
     > "$OUT/cudnn_dsa_import.txt" 2>&1; tail -3 "$OUT/cudnn_dsa_import.txt"
 }
-if want cudnn_dsa_indexer || want cudnn_indexer || want cudnn_dsa || want recipe_cudnn_dsa; then cute_dsl; fi
-if want cudnn_dsa; then  # both cuDNN DSA backends: GPU tests, then each op's backends side by side
+if want cudnn_dsa_indexer || want cudnn_indexer || want cudnn_dsa || want recipe_cudnn_dsa || want cudnn_dsa_tests; then
+  cute_dsl
+fi
+if want cudnn_dsa || want cudnn_dsa_tests; then  # both cuDNN DSA backends: GPU tests, then (cudnn_dsa) the benchmark
   for t in sparse_mla_cudnn_gpu indexer_topk_cudnn_gpu; do
     timeout -s INT -k 20 300 python3 -m pytest -m gpu --kernels-triton-autotune false tests/test_$t.py -v -rs -rf \
       > "$OUT/pytest_$t.log" 2>&1
     step "pytest $t" $?; tail -12 "$OUT/pytest_$t.log"
   done
+fi
+if want cudnn_dsa; then
   timeout 300 python3 scripts/bench_sparse_mla_backward.py --out "$OUT/bench_sparse_mla_backward.json" \
     > "$OUT/bench_sparse_mla_backward.md" 2>&1
   step bench_sparse_mla_backward $?; tail -8 "$OUT/bench_sparse_mla_backward.md"
@@ -283,16 +289,25 @@ fi
 if want numerics || want numerics_fp32; then  # fp32 master weights: compiled and eager bf16 against the fp32 truth
   # (causal_attention = sdpa in all three: varlen takes no fp32, and its fp32 fallback, flex, runs its dense math
   # eagerly, which ran out of memory at 8,192 tokens and past 280 s at 4,096 in the thirteenth session)
-  timeout 280 python3 scripts/check_compile_numerics.py --config train_configs/k3_small.toml --steps 12 \
-    --variant autocast=off --out "$OUT/numerics_fp32.json" -- "${FP32[@]}" --kernels.causal_attention sdpa \
-    > "$OUT/numerics_fp32.log" 2>&1
+  # NUMERICS_FP32_EXTRA: further overrides (e.g. a shorter --training.seq_len: FLA tunes its fp32 kernels first)
+  timeout "${NUMERICS_TIMEOUT:-280}" python3 scripts/check_compile_numerics.py --config train_configs/k3_small.toml \
+    --steps "${NUMERICS_STEPS:-12}" --variant autocast=off --out "$OUT/numerics_fp32.json" -- "${FP32[@]}" \
+    --kernels.causal_attention sdpa ${NUMERICS_FP32_EXTRA:-} > "$OUT/numerics_fp32.log" 2>&1
   step numerics_fp32 $?; grep -E "^step|^median" "$OUT/numerics_fp32.log" | cut -c1-200; tail -3 "$OUT/numerics_fp32.log"
 fi
 if want vl_recipe; then  # image-text: the recipe as shipped (eager, fp32 master) against reduce-overhead / module
   recipe train_configs/k31_vl_small.toml k31_vl_small_recipe cold
+  # the images' patch counts differ from step to step: reduce-overhead records a CUDA graph per new shape of the
+  # vision blocks, which default (no CUDA graphs) does not
+  recipe train_configs/k31_vl_small.toml k31_vl_small_compiled_bf16 cold --compile.mode reduce-overhead \
+    --compile.granularity module "${BF16[@]}"
+  recipe train_configs/k31_vl_small.toml k31_vl_small_default_bf16 cold --compile.mode default \
+    --compile.granularity module "${BF16[@]}"
   recipe train_configs/k31_vl_small.toml k31_vl_small_compiled cold --compile.mode reduce-overhead \
     --compile.granularity module
-  recipe train_configs/k31_vl_small.toml k31_vl_small_compiled_bf16 cold --compile.mode reduce-overhead \
+fi
+if want vl_recipe_ro; then  # reduce-overhead with the vision tower's blocks compiled without CUDA graphs
+  recipe train_configs/k31_vl_small.toml k31_vl_small_ro_vision_eager_graphs_bf16 cold --compile.mode reduce-overhead \
     --compile.granularity module "${BF16[@]}"
 fi
 if want import_profile; then  # where the start-up's imports go (self / cumulative microseconds, top 30)

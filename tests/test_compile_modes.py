@@ -248,3 +248,28 @@ def test_unknown_granularity_is_rejected():
     model = KimiK3Model(dataclasses.replace(model_args_for("k31_debug"), n_layers=2, kda_layers=(), full_attn_layers=()))
     with pytest.raises(ValueError, match="'layer' is not one of"):
         apply_compile(model, "default", fullgraph=True, granularity="layer")
+
+
+def test_reduce_overhead_keeps_cuda_graphs_out_of_the_vision_tower(monkeypatch):
+    """The tower's patch count changes with the images, so its blocks compile without CUDA graphs (a graph per
+    new count was slower on the H200); the decoder's regions keep them."""
+    from titan_kimi.models.kimi_k3.multimodal import KimiK3VLModel
+    from titan_kimi.models.kimi_k3.vision_args import vision_args_for
+
+    model = KimiK3VLModel(model_args_for("k31_debug", index_topk=8),
+                          vision_args_for("moonvit3d_debug", media_placeholder_token_id=7))
+    calls: dict[str, list[dict]] = {"decoder": [], "vision": []}
+
+    def recorder(kind):
+        return lambda self, **kw: calls[kind].append(kw)
+
+    monkeypatch.setattr(KimiK3Block, "compile", recorder("decoder"))
+    vision_block = type(model.vision_tower.encoder.blocks[0])
+    monkeypatch.setattr(vision_block, "compile", recorder("vision"))
+    for submodule in {type(m) for block in model.layers.values() for m in block.modules()} - {KimiK3Block}:
+        monkeypatch.setattr(submodule, "compile", recorder("decoder"), raising=False)
+    apply_compile(model, "reduce-overhead", fullgraph=True, granularity="module")
+    assert calls["decoder"] and all(kw["options"]["triton.cudagraphs"] for kw in calls["decoder"])
+    assert len(calls["vision"]) == len(model.vision_tower.encoder.blocks)
+    assert all("triton.cudagraphs" not in kw.get("options", {}) for kw in calls["vision"])
+    assert all(kw["backend"] == "inductor" and kw["fullgraph"] for kw in calls["vision"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch._dynamo
@@ -43,7 +44,7 @@ GRANULARITIES = ("block", "module")
 def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_outside: bool = False,
                   granularity: str = "block") -> None:
     """Compile every decoder block (and vision block) in place (parameter names unchanged); ``none`` leaves the
-    model eager.
+    model eager. Vision blocks never get CUDA graphs (their input length changes with the images).
 
     ``granularity``: ``block`` compiles each decoder block whole (the most fusion). The blocks share one code
     object, so Dynamo compiles every block variant (block type, AttnRes bank size and block start, which inputs
@@ -69,8 +70,12 @@ def apply_compile(model: KimiK3Model, mode: str, *, fullgraph: bool, experts_out
             region.compile(fullgraph=fullgraph, **options)
     vision_tower = getattr(model, "vision_tower", None)  # an image-text model's first stage
     if vision_tower is not None:
+        # The tower's patch count changes with every batch of images, so a CUDA graph there would be recorded
+        # again for each new count (k31_vl_small: a new size at most steps, 14,931 vs 17,454 tokens/s without
+        # graphs, docs/perf.md); its blocks compile under the same mode without CUDA graphs.
+        vision_options = dataclasses.replace(spec, cudagraphs=False).compile_options()
         for block in vision_tower.encoder.blocks:
-            block.compile(fullgraph=fullgraph, **options)
+            block.compile(fullgraph=fullgraph, **vision_options)
     limit = max(torch._dynamo.config.recompile_limit, 8 * len(model.layers) + 8)
     scope = _ForwardScope(spec, limit)
     model.register_forward_pre_hook(scope.enter)
