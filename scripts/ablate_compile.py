@@ -95,10 +95,10 @@ def build_trainer(opts: argparse.Namespace, mode: str, dump: Path):
     from titan_kimi.train import Trainer
 
     cfg = load_job_config(job_argv(opts, mode, dump), environ={})
-    configure_kernels(cfg.kernels)
     args = model_args_from_config(cfg)
     if opts.n_layers:  # a shorter stack of the same flavor (layer pattern recomputed for n_layers)
         args = dataclasses.replace(args, n_layers=opts.n_layers, kda_layers=(), full_attn_layers=())
+    configure_kernels(cfg.kernels, args)
     return Trainer(cfg, args, resolve_layout(cfg.parallelism, 1, args), DistEnv(0, 1, 0))
 
 

@@ -51,8 +51,8 @@ def build_trainer(config: str, steps: int, dump: Path, overrides: list[str]):
             "--checkpoint.enable", "false", "--validation.enable", "false", "--metrics.progress", "off",
             *overrides]
     cfg = load_job_config(argv, environ={})
-    configure_kernels(cfg.kernels)
     args = model_args_from_config(cfg)
+    configure_kernels(cfg.kernels, args)
     return cfg, Trainer(cfg, args, resolve_layout(cfg.parallelism, 1, args), DistEnv(0, 1, 0))
 
 

@@ -35,8 +35,7 @@
 #   kernels.sparse_mla = flash_mla's GPU tests and scripts/bench_sparse_mla_forward.py), numerics
 #   (scripts/check_compile_numerics.py: the compiled k3_small step against eager on the same weights, bf16 with
 #   the sdpa variant and fp32 master weights against the fp32 truth; numerics_fp32 the latter alone), vl_recipe (the
-#   image-text k31_vl_small recipe as shipped, then compiled like the text recipes: which mode it should ship),
-#   vl_recipe_ro (the image-text recipe under reduce-overhead, bf16: the vision blocks without CUDA graphs);
+#   image-text k31_vl_small recipe as shipped, then under default, with fp32 master weights, and eager fp32);
 #   NUMERICS_STEPS / NUMERICS_TIMEOUT / NUMERICS_FP32_EXTRA shape the numerics_fp32 part
 set -u
 PARTS=${PARTS:-tests ops}
@@ -295,20 +294,12 @@ if want numerics || want numerics_fp32; then  # fp32 master weights: compiled an
     --kernels.causal_attention sdpa ${NUMERICS_FP32_EXTRA:-} > "$OUT/numerics_fp32.log" 2>&1
   step numerics_fp32 $?; grep -E "^step|^median" "$OUT/numerics_fp32.log" | cut -c1-200; tail -3 "$OUT/numerics_fp32.log"
 fi
-if want vl_recipe; then  # image-text: the recipe as shipped (eager, fp32 master) against reduce-overhead / module
+if want vl_recipe; then  # image-text: the recipe as shipped (reduce-overhead, bf16), then default, fp32 master
+  # weights, and the eager fp32-master setting it shipped before the fourteenth session
   recipe train_configs/k31_vl_small.toml k31_vl_small_recipe cold
-  # the images' patch counts differ from step to step: reduce-overhead records a CUDA graph per new shape of the
-  # vision blocks, which default (no CUDA graphs) does not
-  recipe train_configs/k31_vl_small.toml k31_vl_small_compiled_bf16 cold --compile.mode reduce-overhead \
-    --compile.granularity module "${BF16[@]}"
-  recipe train_configs/k31_vl_small.toml k31_vl_small_default_bf16 cold --compile.mode default \
-    --compile.granularity module "${BF16[@]}"
-  recipe train_configs/k31_vl_small.toml k31_vl_small_compiled cold --compile.mode reduce-overhead \
-    --compile.granularity module
-fi
-if want vl_recipe_ro; then  # reduce-overhead with the vision tower's blocks compiled without CUDA graphs
-  recipe train_configs/k31_vl_small.toml k31_vl_small_ro_vision_eager_graphs_bf16 cold --compile.mode reduce-overhead \
-    --compile.granularity module "${BF16[@]}"
+  recipe train_configs/k31_vl_small.toml k31_vl_small_default cold --compile.mode default
+  recipe train_configs/k31_vl_small.toml k31_vl_small_fp32 cold "${FP32[@]}"
+  recipe train_configs/k31_vl_small.toml k31_vl_small_eager_fp32 cold --compile.mode none "${FP32[@]}"
 fi
 if want import_profile; then  # where the start-up's imports go (self / cumulative microseconds, top 30)
   python3 -X importtime -c "import titan_kimi.train" 2> "$OUT/importtime_train.txt"

@@ -48,11 +48,12 @@ def test_availability_says_why_on_cpu(monkeypatch):
 def test_config_rejects_cudnn_on_cpu():
     from titan_kimi.config import load_job_config
     from titan_kimi.training.kernels import configure_kernels
+    from titan_kimi.training.build import model_args_from_config
 
     before = selected_backend("kda")
     cfg = load_job_config(["--kernels.kda", "cudnn"], environ={})
     with pytest.raises(ValueError, match=r"kernels.kda = 'cudnn' is not available on this machine: no CUDA device"):
-        configure_kernels(cfg.kernels)
+        configure_kernels(cfg.kernels, model_args_from_config(cfg))
     assert selected_backend("kda") == before
     assert configure_backends({"kda": "auto"})["kda"] == "reference"  # auto never picks cudnn (not ranked yet)
 

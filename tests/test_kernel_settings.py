@@ -14,6 +14,7 @@ from lowerings.settings import KernelSettings, configure_kernel_settings, kernel
 from titan_kimi.config import ConfigError, load_job_config, to_toml
 from titan_kimi.config.options import describe_config
 from titan_kimi.config.sections import TRAINER_KERNEL_KEYS, JobConfig
+from titan_kimi.training.build import model_args_from_config
 from titan_kimi.training.kernels import configure_kernels
 
 
@@ -53,13 +54,14 @@ def test_settings_are_config_keys_that_reach_the_kernels(restore_settings, monke
                            "--kernels.fla_configs", "autotune"], environ={})
     text = to_toml(cfg)
     assert "triton_autotune = false" in text and "sparse_mla_ws = false" in text and 'fla_configs = "autotune"' in text
-    resolved = configure_kernels(cfg.kernels)
+    resolved = configure_kernels(cfg.kernels, model_args_from_config(cfg))
     assert resolved["indexer_topk"] == "reference" or torch.cuda.is_available()
     assert (resolved["triton_autotune"], resolved["sparse_mla_ws"], resolved["fla_configs"]) == (False, False,
                                                                                                 "autotune")
     q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     assert ws_forward_unsupported(q, torch.zeros(2, 576, dtype=torch.bfloat16), 512) == "kernels.sparse_mla_ws = false"
-    configure_kernels(load_job_config([], environ={}).kernels)
+    default = load_job_config([], environ={})
+    configure_kernels(default.kernels, model_args_from_config(default))
     assert kernel_settings() == KernelSettings()
     assert ws_forward_unsupported(q, torch.zeros(2, 576, dtype=torch.bfloat16), 512) == "not on CUDA"
     assert not autotune_enabled(q)  # a CPU tensor never autotunes
@@ -67,9 +69,10 @@ def test_settings_are_config_keys_that_reach_the_kernels(restore_settings, monke
 
 def test_the_replaced_environment_variables_are_refused(monkeypatch):
     monkeypatch.setenv("TITAN_KIMI_TRITON_AUTOTUNE", "0")
+    default = load_job_config([], environ={})
     with pytest.raises(ValueError, match=r"TITAN_KIMI_TRITON_AUTOTUNE='0' -> kernels.triton_autotune "
                                          r"\(--kernels.triton_autotune false for =0\)"):
-        configure_kernels(load_job_config([], environ={}).kernels)
+        configure_kernels(default.kernels, model_args_from_config(default))
     with pytest.raises(ValueError, match=r"kernels.fla_configs = 'always' is invalid; valid: \['shipped', 'autotune'\]"):
         configure_kernel_settings(fla_configs="always")
 

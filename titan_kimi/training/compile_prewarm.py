@@ -74,7 +74,7 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     imports = f" after {time.time() - started:.1f} s of imports" if started is not None else ""
     cfg = load_job_config(job_argv)
     args = model_args_from_config(cfg)
-    resolved = configure_kernels(cfg.kernels)
+    resolved = configure_kernels(cfg.kernels, args)
     if resolved["kda"] == "fla":
         from lowerings.kernels.fla_kda import prepare_fla_configs
 

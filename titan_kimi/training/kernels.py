@@ -20,13 +20,13 @@ def unused_ops(args: Any) -> set[str]:
     return set() if args.has_indexer else {"indexer_topk", "sparse_mla"}
 
 
-def configure_kernels(kernels: Any, args: Any = None) -> dict[str, Any]:
+def configure_kernels(kernels: Any, args: Any) -> dict[str, Any]:
     """Validates and applies the section (nothing changes if a backend cannot run here); returns
-    ``{op: resolved backend, setting: value}`` for the log line. With the model's ``args``, ops it never calls
-    keep ``auto`` unresolved (``unused_ops``): no availability check, no library imported for them."""
+    ``{op: resolved backend, setting: value}`` for the log line. Ops the model of ``args`` never calls keep
+    ``auto`` unresolved (``unused_ops``): no availability check, no library imported for them."""
     refuse_replaced_environment(os.environ)
-    unused = unused_ops(args) if args is not None else set()
-    resolved: dict[str, Any] = configure_backends({op: getattr(kernels, op) for op in BACKEND_OPS}, unused)
+    resolved: dict[str, Any] = configure_backends({op: getattr(kernels, op) for op in BACKEND_OPS},
+                                                  unused_ops(args))
     settings = configure_kernel_settings(**{name: getattr(kernels, name) for name in SETTINGS})
     resolved.update({name: getattr(settings, name) for name in SETTINGS})
     return resolved
