@@ -36,6 +36,8 @@
 #   (scripts/check_compile_numerics.py: the compiled k3_small step against eager on the same weights, bf16 with
 #   the sdpa variant and fp32 master weights against the fp32 truth; numerics_fp32 the latter alone), vl_recipe (the
 #   image-text k31_vl_small recipe as shipped, then under default, with fp32 master weights, and eager fp32);
+#   vl_recipe_shipped (only the first of those), vl_lora (the shipped image-text recipe with --lora.enable true),
+#   recipes_no_fla_prewarm (k3_small with --kernels.prewarm_fla false);
 #   NUMERICS_STEPS / NUMERICS_TIMEOUT / NUMERICS_FP32_EXTRA shape the numerics_fp32 part
 set -u
 PARTS=${PARTS:-tests ops}
@@ -181,6 +183,9 @@ if want recipes; then
   recipe train_configs/k3_small.toml k3_small_recipe cold
   recipe train_configs/k31_small.toml k31_small_recipe cold
 fi
+if want recipes_no_fla_prewarm; then  # kernels.prewarm_fla = false: what the FLA prewarm processes save
+  recipe train_configs/k3_small.toml k3_small_recipe_no_fla_prewarm cold --kernels.prewarm_fla false
+fi
 if want recipes_prewarm || want k3_small_prewarm; then  # compile.prewarm_modules (module kinds side by side)
   recipe train_configs/k3_small.toml k3_small_recipe_prewarm cold --compile.prewarm_modules true
   want recipes_prewarm && recipe train_configs/k31_small.toml k31_small_recipe_prewarm cold --compile.prewarm_modules true
@@ -300,6 +305,12 @@ if want vl_recipe; then  # image-text: the recipe as shipped (reduce-overhead, b
   recipe train_configs/k31_vl_small.toml k31_vl_small_default cold --compile.mode default
   recipe train_configs/k31_vl_small.toml k31_vl_small_fp32 cold "${FP32[@]}"
   recipe train_configs/k31_vl_small.toml k31_vl_small_eager_fp32 cold --compile.mode none "${FP32[@]}"
+fi
+if want vl_recipe_shipped; then  # the image-text recipe as shipped alone (its first step from empty caches)
+  recipe train_configs/k31_vl_small.toml k31_vl_small_recipe cold
+fi
+if want vl_lora; then  # the image-text recipe as shipped with LoRA adapters (base weights frozen)
+  recipe train_configs/k31_vl_small.toml k31_vl_small_lora cold --lora.enable true
 fi
 if want import_profile; then  # where the start-up's imports go (self / cumulative microseconds, top 30)
   python3 -X importtime -c "import titan_kimi.train" 2> "$OUT/importtime_train.txt"

@@ -16,8 +16,16 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
-import torch
+from titan_kimi.training.kernel_prewarm import FlaPrewarm
+
+# Run as `python -m titan_kimi.train`, FLA's prewarm processes start here, before torch's import (13-15 s on a GPU
+# node), and wait for the shape that main() sends: they have FLA's kernels compiled by the first step.
+EARLY_PREWARM = FlaPrewarm()
+if __name__ == "__main__":
+    EARLY_PREWARM.spawn_early(sys.argv[1:])
+
+import numpy as np  # noqa: E402 (after the early start above, on purpose)
+import torch  # noqa: E402
 
 from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_checkpoint, export_hf_stages,
                                    load_model_weights, training_state)
@@ -39,7 +47,6 @@ from titan_kimi.training.compile_report import CompileReport
 from titan_kimi.training.startup_report import StartupClock
 from titan_kimi.training.compile_prewarm import ModulePrewarm
 from titan_kimi.training.compile_prewarm import unsupported as prewarm_unsupported
-from titan_kimi.training.kernel_prewarm import FlaPrewarm
 from titan_kimi.training.build import (build_model_from_config, dataloader_from_config, model_args_from_config,
                                       tokenizer_from_config, vision_args_from_config)
 from titan_kimi.training.exit_codes import run_cli
@@ -458,16 +465,27 @@ class Trainer:
         self.metrics.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prewarm: FlaPrewarm | None = None) -> int:
+    """The trainer on ``argv`` (the command line's by default); ``prewarm``: FLA prewarm processes spawned before
+    the imports (`FlaPrewarm.spawn_early`), which get this run's shape, or are sent away, here."""
     startup = StartupClock()
     startup.mark("imports")  # torch, torchtitan and this package, before main runs
-    argv = sys.argv[1:] if argv is None else argv
+    prewarm = FlaPrewarm() if prewarm is None else prewarm
+    modules = ModulePrewarm()
+    try:
+        return _run(sys.argv[1:] if argv is None else argv, prewarm, modules, startup)
+    finally:  # reap the prewarm processes (the module ones are running still only if the run failed early)
+        prewarm.finish(stop=True)
+        modules.wait(timeout_s=0)
+
+
+def _run(argv: list[str], prewarm: FlaPrewarm, modules: ModulePrewarm, startup: StartupClock) -> int:
     cfg = load_job_config(argv)
     env = DistEnv.from_environ()
     setup_logging(env.rank)
     if cfg.job.description:
         logger.info("job: %s", cfg.job.description)
-    if cfg.compile.cache_dir and not cfg.job.dry_run:  # before anything compiles or a prewarm process starts
+    if cfg.compile.cache_dir and not cfg.job.dry_run:  # before anything compiles or a prewarm process compiles
         logger.info("compile.cache_dir: %s", ", ".join(f"{k}={v}" for k, v in
                                                       use_compile_cache_dir(cfg.compile.cache_dir).items()))
     args = model_args_from_config(cfg)
@@ -486,37 +504,32 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
     resolved = configure_kernels(cfg.kernels, args)
     logger.info("kernels: %s", describe_kernels(resolved))
-    modules = ModulePrewarm()
     if cfg.compile.prewarm_modules:
         image_text = vision_args_from_config(cfg, tokenizer_from_config(cfg, args)) is not None
         if (reason := prewarm_unsupported(cfg, layout, image_text=image_text)) is not None:
             raise ValueError(f"compile.prewarm_modules = true {reason}")
         modules.start(args, cfg, argv)
-    prewarm = FlaPrewarm()  # started before the model is built, so its compiles overlap the build and Dynamo's
-    if not modules.processes:  # a KDA layer's module prewarm runs the op at this shape itself
-        prewarm.start(args, cfg, pick_device(env), kda_backend=resolved["kda"], context_parallel=layout.cp,
-                      local_rank=env.local_rank)
+    # before the model is built, so its compiles overlap the build and Dynamo's; a KDA layer's module prewarm runs
+    # the op at this shape itself
+    prewarm.start(args, cfg, pick_device(env), kda_backend=resolved["kda"], context_parallel=layout.cp,
+                  local_rank=env.local_rank, wanted=not modules.processes)
     startup.mark("config, kernels and prewarm launch")
+    trainer = Trainer(cfg, args, layout, env)
+    trainer.prewarm, trainer.module_prewarm, trainer.startup = prewarm, modules, startup
+    startup.mark("distributed set-up, model, data and optimizer")
     try:
-        trainer = Trainer(cfg, args, layout, env)
-        trainer.prewarm, trainer.module_prewarm, trainer.startup = prewarm, modules, startup
-        startup.mark("distributed set-up, model, data and optimizer")
-        try:
-            if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
-                from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
+        if resolved["kda"] == "fla":  # after Trainer set the device; before the first step imports fla
+            from lowerings.kernels.fla_kda import prepare_fla_configs  # kernels.fla_configs
 
-                logger.info(prepare_fla_configs())
-            import_backend_libraries(resolved)
-            startup.mark("backend libraries")
-            trainer.train()
-        finally:
-            trainer.close()
-            destroy()
-    finally:  # reap the prewarm processes (the module ones are running still only if the run failed early)
-        prewarm.finish(stop=True)
-        modules.wait(timeout_s=0)
+            logger.info(prepare_fla_configs())
+        import_backend_libraries(resolved)
+        startup.mark("backend libraries")
+        trainer.train()
+    finally:
+        trainer.close()
+        destroy()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    sys.exit(run_cli(lambda argv: main(argv, prewarm=EARLY_PREWARM)))

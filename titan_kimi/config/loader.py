@@ -26,12 +26,15 @@ from titan_kimi.config.values import from_text, from_toml
 __all__ = ["ConfigError", "JobConfig", "format_help", "load_job_config", "read_toml", "to_dict", "to_toml"]
 
 
-def load_job_config(argv: Sequence[str], *, environ: Mapping[str, str] | None = None) -> JobConfig:
+def load_job_config(argv: Sequence[str], *, environ: Mapping[str, str] | None = None,
+                    check_registry: bool = True) -> JobConfig:
     """Builds and validates the job config from command-line arguments (sys.argv[1:]).
 
     Precedence is command line > TOML (`--job.config_file`) > defaults. Raises ConfigError on any
     invalid input, and SystemExit(0) after printing the help for `-h`/`--help`. environ (default
     os.environ) supplies the launcher's WORLD_SIZE, against which the parallel degrees are checked.
+    ``check_registry=False`` leaves out the flavor names' check, which imports torch (for a look at the config
+    before the trainer's imports; the trainer loads it again in full).
     """
     command_line = split_command_line(list(argv))
     if command_line.help:
@@ -45,7 +48,8 @@ def load_job_config(argv: Sequence[str], *, environ: Mapping[str, str] | None = 
         cfg.job.config_file = config_file
         sources[CONFIG_FILE_KEY] = COMMAND_LINE
     _apply_overrides(cfg, command_line, sources)
-    validate_job_config(cfg, sources, _launcher_world_size(os.environ if environ is None else environ))
+    validate_job_config(cfg, sources, _launcher_world_size(os.environ if environ is None else environ),
+                        check_registry=check_registry)
     return cfg
 
 

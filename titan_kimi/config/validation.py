@@ -17,13 +17,14 @@ LAUNCHER = "WORLD_SIZE from the launcher"
 
 
 def validate_job_config(cfg: JobConfig, sources: Mapping[str, str] | None = None,
-                        launcher_world_size: int | None = None) -> None:
+                        launcher_world_size: int | None = None, *, check_registry: bool = True) -> None:
     """Raises ConfigError on the first invalid value.
 
     sources maps "section.key" to where its value came from (a TOML path or "command line"); keys not in
     it are reported as defaults, or, when no sources are given (a config built in code), as set on the
     object. launcher_world_size is the launcher's WORLD_SIZE, if any: the parallel degrees are checked
-    against job.world_size or against it, and only when one of them is known.
+    against job.world_size or against it, and only when one of them is known. check_registry=False skips the
+    flavor names (the model registry imports torch).
     """
     unlisted = DEFAULT if sources is not None else IN_CODE
     sources = sources or {}
@@ -47,6 +48,8 @@ def validate_job_config(cfg: JobConfig, sources: Mapping[str, str] | None = None
     elif launcher_world_size:
         check_world_size(cfg, launcher_world_size, source_of, LAUNCHER)
     # Last: the registry lives in the model package, which imports torch; every other error stays instant.
+    if not check_registry:
+        return
     _check_flavor(cfg, source_of("model.flavor"))
     _check_vision_flavor(cfg, source_of("model.vision_flavor"))
 

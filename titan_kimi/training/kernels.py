@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from lowerings.catalog import BACKEND_OPS
+from lowerings.kernels.fla_kda import FLA_DEFERRED_PACKAGES, FLA_MODULES
 from lowerings.ops import configure_backends
 from lowerings.settings import KernelSettings, configure_kernel_settings, refuse_replaced_environment
 
@@ -39,8 +40,7 @@ def describe(resolved: dict[str, Any]) -> str:
 # The libraries behind backends that import lazily, at their first call: (modules, packages whose __init__ may
 # wait, optional dependencies imported as if absent); see lowerings/kernels/quick_imports.py for why.
 _BACKEND_MODULES = {
-    ("kda", "fla"): (("fla.modules.norm.l2norm", "fla.ops.kda.chunk_fwd", "fla.ops.kda.chunk_bwd",
-                      "fla.ops.utils.index"), ("fla.ops", "fla.modules"), ()),
+    ("kda", "fla"): (FLA_MODULES, FLA_DEFERRED_PACKAGES, ()),
     ("linear_cross_entropy", "liger"): (("liger_kernel.ops.fused_linear_cross_entropy",), (), ("peft",)),
 }
 
