@@ -93,36 +93,41 @@ def main() -> int:
     parser.add_argument("--config", default="train_configs/k3_small.toml")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--variant", default="causal_attention=sdpa",
-                        help="op=backend: the eager variant's exact kernel change; autocast=off: eager in fp32")
+                        help="op=backend: the eager variant's exact kernel change; autocast=off: eager in fp32; several "
+                        "joined by commas (autocast=off,kda=reference: the fp32 truth with the reference KDA, which "
+                        "needs no fp32 tuning of FLA's kernels)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--dump", type=Path, default=Path("/tmp/check_compile_numerics"))
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     opts = parser.parse_args(argv[:split])
-    op, _, backend = opts.variant.partition("=")
-    if not backend:
-        parser.error(f"--variant {opts.variant!r}: expected op=backend, e.g. causal_attention=sdpa")
+    changes = [part.partition("=") for part in opts.variant.split(",")]
+    if not all(op and backend for op, _, backend in changes):
+        parser.error(f"--variant {opts.variant!r}: expected op=backend[,op=backend], e.g. causal_attention=sdpa")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the trainer's own lines
     started = time.perf_counter()
     cfg, trainer = build_trainer(opts.config, opts.steps, opts.dump, argv[split + 1:])
     print(f"trainer built in {time.perf_counter() - started:.1f} s", flush=True)
     from lowerings.ops.registry import configure_backends, selected_backend
 
-    if op == "autocast":
-        if backend != "off" or trainer.autocast_dtype is None:
-            parser.error(f"--variant {opts.variant!r}: only autocast=off, for a recipe that computes under autocast "
-                         f"(fp32 weights, bf16 compute); this one has autocast {trainer.autocast_dtype}")
-        compute = trainer.autocast_dtype
+    switches = []  # each change's use(on) function
+    for op, _, backend in changes:
+        if op == "autocast":
+            if backend != "off" or trainer.autocast_dtype is None:
+                parser.error(f"--variant {opts.variant!r}: only autocast=off, for a recipe that computes under "
+                             f"autocast (fp32 weights, bf16 compute); this one has autocast {trainer.autocast_dtype}")
+            compute = trainer.autocast_dtype
+            switches.append(lambda on, compute=compute: setattr(trainer, "autocast_dtype", None if on else compute))
+        else:
+            shipped = selected_backend(op)
+            configure_backends({op: backend})  # fails here, before any step, when the variant cannot run
+            configure_backends({op: shipped})
+            switches.append(lambda on, op=op, backend=backend, shipped=shipped:
+                            configure_backends({op: backend if on else shipped}))
 
-        def use_variant(on: bool) -> None:
-            trainer.autocast_dtype = None if on else compute
-    else:
-        shipped = selected_backend(op)
-        configure_backends({op: backend})  # fails here, before any step, when the variant cannot run
-        configure_backends({op: shipped})
-
-        def use_variant(on: bool) -> None:
-            configure_backends({op: backend if on else shipped})
+    def use_variant(on: bool) -> None:
+        for switch in switches:
+            switch(on)
     data = iter(trainer.dataloader)
     names = [n for n, _ in trainer.named_params]
     rows = []

@@ -38,7 +38,7 @@
 #   image-text k31_vl_small recipe as shipped, then under default, with fp32 master weights, and eager fp32);
 #   vl_recipe_shipped (only the first of those), vl_lora (the shipped image-text recipe with --lora.enable true),
 #   recipes_no_fla_prewarm (k3_small with --kernels.prewarm_fla false);
-#   NUMERICS_STEPS / NUMERICS_TIMEOUT / NUMERICS_FP32_EXTRA shape the numerics_fp32 part
+#   NUMERICS_STEPS / NUMERICS_TIMEOUT / NUMERICS_FP32_EXTRA / NUMERICS_FP32_VARIANT shape the numerics_fp32 part
 set -u
 PARTS=${PARTS:-tests ops}
 want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
@@ -295,7 +295,7 @@ if want numerics || want numerics_fp32; then  # fp32 master weights: compiled an
   # eagerly, which ran out of memory at 8,192 tokens and past 280 s at 4,096 in the thirteenth session)
   # NUMERICS_FP32_EXTRA: further overrides (e.g. a shorter --training.seq_len: FLA tunes its fp32 kernels first)
   timeout "${NUMERICS_TIMEOUT:-280}" python3 scripts/check_compile_numerics.py --config train_configs/k3_small.toml \
-    --steps "${NUMERICS_STEPS:-12}" --variant autocast=off --out "$OUT/numerics_fp32.json" -- "${FP32[@]}" \
+    --steps "${NUMERICS_STEPS:-12}" --variant "${NUMERICS_FP32_VARIANT:-autocast=off}" --out "$OUT/numerics_fp32.json" -- "${FP32[@]}" \
     --kernels.causal_attention sdpa ${NUMERICS_FP32_EXTRA:-} > "$OUT/numerics_fp32.log" 2>&1
   step numerics_fp32 $?; grep -E "^step|^median" "$OUT/numerics_fp32.log" | cut -c1-200; tail -3 "$OUT/numerics_fp32.log"
 fi

@@ -71,4 +71,5 @@ def test_an_empty_line_sends_the_process_away(tmp_path):
                           env=environment(tmp_path / "triton"), input="\n", capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and "not needed" in done.stdout
-    assert not (tmp_path / "triton").exists() or not kernel_dirs(tmp_path / "triton")
+    # no kernel compiled (Triton's own launcher library may be cached at start-up: a folder without a cubin)
+    assert not list((tmp_path / "triton").glob("*/*.cubin"))

@@ -41,8 +41,9 @@ def test_padding_never_influences_real_tokens():
     other = tokens.clone()
     other[0, 17:] = torch.randint(1, 2048, (7,))  # different pad contents
     a, b = model(tokens, doc_ids=doc_ids), model(other, doc_ids=doc_ids)
-    # Equal up to GEMM blocking: pad tokens still route to experts and change the group sizes.
-    assert rel_err(a[0, :17], b[0, :17]) < 1e-6 and rel_err(a[1], b[1]) < 1e-6
+    # Equal up to GEMM blocking: pad tokens still route to experts and change the group sizes (1.05e-6 on some
+    # CPUs; a pad token that leaked into a real one would show orders of magnitude more).
+    assert rel_err(a[0, :17], b[0, :17]) < 1e-5 and rel_err(a[1], b[1]) < 1e-5
     assert rel_err(a[0, :17], model(tokens[:1, :17])[0]) < 1e-5
 
 
