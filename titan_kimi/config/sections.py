@@ -230,9 +230,10 @@ Kernels = make_dataclass("Kernels", [
         choices=FLA_CONFIG_CHOICES)),
     ("prewarm_fla", bool, option(
         True,
-        "with kda = fla on a GPU: compile FLA's KDA kernels at this run's shape in a background process at "
-        "launch, so the first step loads them from Triton's cache (not needed, so not started, with "
-        "compile.prewarm_modules); false = they compile inside the first step")),
+        "with kda = fla on a GPU: compile FLA's KDA kernels at this run's shape in background processes (four, "
+        "sharing the kernels out; started before the trainer's imports under python -m titan_kimi.train), so the "
+        "first step loads them from Triton's cache (not needed, so not started, with compile.prewarm_modules); "
+        "false = they compile inside the first step")),
 ])
 
 
