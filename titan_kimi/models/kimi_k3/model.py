@@ -86,6 +86,11 @@ class KimiK3Model(nn.Module):
                 raise ValueError("the first stage takes token ids [B, S] (an integer tensor) or inputs_embeds")
             else:
                 hidden = self.tok_embeddings(x)
+            if torch.is_grad_enabled() and not hidden.requires_grad:
+                # frozen embeddings (LoRA): the first layer's input then requires grad as every other layer's
+                # does, so torch.compile makes one graph per module kind, not a second one for layer 0 (on the
+                # H200 two more graphs in step 1 of the image-text LoRA run)
+                hidden = hidden.detach().requires_grad_()
             bank = hidden.new_empty(hidden.shape[0] * hidden.shape[1], 0, hidden.shape[2])
         elif inputs_embeds is not None:
             raise ValueError(f"inputs_embeds go to the first stage; this stage starts at layer {self.first_layer}")
