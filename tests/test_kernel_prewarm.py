@@ -85,7 +85,7 @@ def test_running_processes_are_left_alone_then_stopped_at_exit(monkeypatch, capl
     assert prewarm.processes and all(p.popen.poll() is None for p in prewarm.processes)
     with caplog.at_level(logging.INFO, logger="titan_kimi"):
         prewarm.finish(stop=True)
-    assert "stopped before it finished" in caplog.text
+    assert f"{kernel_prewarm.PROCESSES} of {kernel_prewarm.PROCESSES} processes stopped before they finished" in caplog.text
 
 
 # A stand-in for fla_prewarm --shape-from-stdin: echoes its arguments and the line it read, as a result line.
@@ -121,6 +121,14 @@ def test_early_processes_get_the_shape_and_the_cache_folder(early, monkeypatch):
         assert (opts.tokens, opts.heads, opts.head_dim, opts.lower_bound) == (8192, 16, 128, -5.0)
         assert opts.triton_cache_dir == "/somewhere/triton" and opts.shape_from_stdin
     assert len({json.loads(o.line)["argv"][-1] for o in outputs}) == 1  # one claim folder for all
+
+
+def test_early_processes_of_a_run_that_failed_before_the_shape_are_stopped_quietly(early, caplog):
+    processes = list(early.processes)
+    with caplog.at_level(logging.INFO, logger="titan_kimi"):
+        early.finish(stop=True)  # main()'s finally, after a config error
+    assert early.processes == [] and all(p.popen.returncode is not None for p in processes)
+    assert "prewarm_fla" not in caplog.text
 
 
 def test_early_processes_are_sent_away_when_the_run_does_not_prewarm(early, caplog):

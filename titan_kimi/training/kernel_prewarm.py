@@ -150,6 +150,7 @@ class FlaPrewarm:
         stopped."""
         if not self.processes or (not stop and any(p.running() for p in self.processes)):
             return
+        quiet = quiet or self.waiting  # never sent the shape (the run failed before): nothing they did to report
         outcomes = [p.finish(timeout_s=0, result_prefix=RESULT_PREFIX) for p in self.processes]
         self.processes, self.waiting = [], False
         if self._claims is not None:
@@ -171,11 +172,11 @@ class FlaPrewarm:
                         "of it compiling)", len(results), compiled, max(r["done_at"] for r in results) - self.launched_at,
                         max(r["compile_s"] for r in results))
             return
+        if (stopped := sum(o.status == "stopped" for o in outcomes)):
+            logger.info("kernels.prewarm_fla: %d of %d processes stopped before they finished", stopped, len(outcomes))
         for outcome, result in zip(outcomes, results):
-            if outcome.status == "stopped":
-                logger.info("kernels.prewarm_fla: stopped before it finished")
-            elif outcome.status == "failed":
+            if outcome.status == "failed":
                 logger.warning("kernels.prewarm_fla failed (exit %d; the first step compiled FLA's kernels itself): "
                                "%s", outcome.returncode, outcome.line)
-            elif result is None:
+            elif outcome.status == "done" and result is None:
                 logger.info("kernels.prewarm_fla: %s", outcome.line)
