@@ -105,6 +105,11 @@ def test_expert_parallel_lora_matches_one_process(tmp_path):
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
 
 
+def worst_relative_difference(a: dict, b: dict) -> tuple[float, str]:
+    """The largest per-tensor relative L2 difference of two state dicts with the same keys, and its key."""
+    return max((float((a[k].float() - b[k].float()).norm() / b[k].float().norm().clamp_min(1e-12)), k) for k in a)
+
+
 @pytest.mark.slow
 def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_export(tmp_path):
     """PP2 as users type it, in fp32: falling loss, the losses and adapter files of one process, and the adapters
@@ -140,7 +145,7 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
     assert any(".layers.7." in k for k in a)  # the second stage's adapters are in the one file
     # per tensor, relative L2: 8 Adam steps on sums of another order (PP2's microbatches) drift by up to 2.0e-3 in
     # a routed expert's factor on some CPUs (fewest tokens, Adam's normalised step), elementwise further
-    worst = max(((float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)), k) for k in a))
+    worst = worst_relative_difference(a, b)
     assert worst[0] < 5e-3, worst
     assert (files["pp2"] / "adapter_config.json").read_text() == (files["single"] / "adapter_config.json").read_text()
 
@@ -151,7 +156,8 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
                     for n in ("pp2", "single"))
     assert ours.keys() == theirs.keys() and any(k.startswith("vision_tower.") for k in ours)
     assert not any("lora" in k for k in ours)
-    assert all(torch.allclose(ours[k], theirs[k], rtol=1e-3, atol=1e-5) for k in ours)
+    worst = worst_relative_difference(ours, theirs)  # the merged weights carry the adapters' drift, diluted
+    assert worst[0] < 1e-3, worst
 
     from titan_kimi.checkpoint import export_hf_checkpoint
     from titan_kimi.config import load_job_config
@@ -172,8 +178,8 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
         exported[name] = {k: v for f in (tmp_path / f"hf_{name}").glob("*.safetensors")
                           for k, v in load_file(str(f)).items()}
     assert exported["pp2"].keys() == exported["single"].keys() and not any("lora" in k for k in exported["pp2"])
-    assert all(torch.allclose(exported["pp2"][k], exported["single"][k], rtol=1e-3, atol=1e-5)
-               for k in exported["pp2"])
+    worst = worst_relative_difference(exported["pp2"], exported["single"])
+    assert worst[0] < 1e-3, worst
 
 
 @pytest.mark.slow
