@@ -299,15 +299,15 @@ if want numerics || want numerics_fp32; then  # fp32 master weights: compiled an
     --kernels.causal_attention sdpa ${NUMERICS_FP32_EXTRA:-} > "$OUT/numerics_fp32.log" 2>&1
   step numerics_fp32 $?; grep -E "^step|^median" "$OUT/numerics_fp32.log" | cut -c1-200; tail -3 "$OUT/numerics_fp32.log"
 fi
-if want vl_recipe; then  # image-text: the recipe as shipped (reduce-overhead, bf16), then default, fp32 master
-  # weights, and the eager fp32-master setting it shipped before the fourteenth session
+if want vl_recipe || want vl_recipe_shipped; then  # image-text: the recipe as shipped (reduce-overhead, bf16),
+  # then (vl_recipe) default, fp32 master weights, and the eager fp32-master setting it shipped before the
+  # fourteenth session
   recipe train_configs/k31_vl_small.toml k31_vl_small_recipe cold
+fi
+if want vl_recipe; then
   recipe train_configs/k31_vl_small.toml k31_vl_small_default cold --compile.mode default
   recipe train_configs/k31_vl_small.toml k31_vl_small_fp32 cold "${FP32[@]}"
   recipe train_configs/k31_vl_small.toml k31_vl_small_eager_fp32 cold --compile.mode none "${FP32[@]}"
-fi
-if want vl_recipe_shipped; then  # the image-text recipe as shipped alone (its first step from empty caches)
-  recipe train_configs/k31_vl_small.toml k31_vl_small_recipe cold
 fi
 if want vl_lora; then  # the image-text recipe as shipped with LoRA adapters (base weights frozen)
   recipe train_configs/k31_vl_small.toml k31_vl_small_lora cold --lora.enable true

@@ -131,12 +131,12 @@ class FlaPrewarm:
                 self.finish(stop=True, quiet=True)
                 return False
             shape = shape_arguments(args, cfg)
-            if (cache := os.environ.get("TRITON_CACHE_DIR")):  # compile.cache_dir, set after they started
-                shape += ["--triton-cache-dir", cache]
+            cache = os.environ.get("TRITON_CACHE_DIR")  # compile.cache_dir, set after they started
+            line = json.dumps(shape + (["--triton-cache-dir", cache] if cache else []))
             for process in self.processes:
-                process.send_line(json.dumps(shape))
+                process.send_line(line)
             logger.info("kernels.prewarm_fla: %d processes started at launch compile FLA's KDA kernels (%s)",
-                        len(self.processes), " ".join(shape_arguments(args, cfg)))
+                        len(self.processes), " ".join(shape))
             return True
         if not wanted:
             return False
