@@ -27,7 +27,7 @@ BACKEND_OPS: dict[str, OpEntry] = {
     "sparse_mla": OpEntry(
         "sparse MLA backend: triton = our forward (Gluon on Hopper) and Triton backward; cudnn = our forward and "
         "cuDNN frontend's sm90 DSA backward (1.7x the Triton backward at K3's 96 heads); flash_mla = FlashMLA's "
-        "sm90 sparse forward (scripts/build_flash_mla.sh) and the Triton backward; calls a kernel cannot take run "
+        "sm90 sparse forward (scripts/tools/build_flash_mla.sh) and the Triton backward; calls a kernel cannot take run "
         "triton's; dense / reference = plain torch; auto = cudnn, then flash_mla, then triton, the first that can "
         "run here", ("dense", "reference", "triton", "cudnn", "flash_mla")),
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
