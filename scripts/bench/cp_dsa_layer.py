@@ -18,7 +18,6 @@ inputs, as in scripts/bench/dsa_layer.py, and the rank's outputs against the who
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -29,7 +28,7 @@ from lowerings.settings import configure_kernel_settings
 from titan_kimi.models.kimi_k3 import model_args_for
 from titan_kimi.models.kimi_k3.mla import GatedMLA
 from titan_kimi.parallel.context_parallel import ContextParallel
-from timing import wall_ms_and_peak  # scripts/bench/ is sys.path[0]
+from timing import wall_ms_and_peak, write_rows  # scripts/bench/ is sys.path[0]
 
 
 class RecordingExchange:
@@ -124,9 +123,7 @@ def main() -> int:
             print(f"| {world} | {rank} | {T // world} | {ms:.2f} | {mem:.0f} | <= {chunk:.0f} | {check:.1e} |",
                   flush=True)
     if opts.out:
-        with open(opts.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_rows(opts.out, rows, device)
     return 0
 
 

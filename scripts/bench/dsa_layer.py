@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 
 import torch
@@ -26,7 +25,7 @@ from lowerings.inductor.modes import compile_mode
 from lowerings.ops import configure_backends
 from titan_kimi.models.kimi_k3 import build_sequence_info, model_args_for
 from titan_kimi.models.kimi_k3.mla import GatedMLA
-from timing import wall_ms_and_peak  # scripts/bench/ is sys.path[0]
+from timing import wall_ms_and_peak, write_rows  # scripts/bench/ is sys.path[0]
 
 
 def dense_masked(mla: GatedMLA, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -103,9 +102,7 @@ def main() -> int:
         print(f"| {T} | dsa | {ms_dsa:.2f} | {mem_dsa:.0f} | {ms_ref / ms_dsa:.2f}x |")
         print(f"| {T} | dense_masked | {ms_ref:.2f} | {mem_ref:.0f} | 1.00x |  (outputs differ by {check:.2e} rel)")
     if opts.out:
-        with open(opts.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+        write_rows(opts.out, rows, device)
     return 0
 
 

@@ -4,6 +4,7 @@ relative errors, installed package versions."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import statistics
 import time
 from typing import Callable
@@ -58,6 +59,13 @@ def wall_ms_and_peak(fn: Callable[[], object], reps: int, device: torch.device) 
         times.append(1e3 * (time.perf_counter() - start))
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else float("nan")
     return statistics.median(times), peak
+
+
+def write_rows(path: str, rows: list[dict], device: torch.device) -> None:
+    """The benchmark's rows as JSON, with the device's name and torch's version."""
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                   "torch": torch.__version__, "rows": rows}, f, indent=1)
 
 
 def cell(row: dict, key: str, fmt: str) -> str:

@@ -114,6 +114,12 @@ def image_text_compile_modes(r: Runner, folder: Path) -> None:
     recipe(r, folder, "k31_vl_small_eager_fp32", config, "--compile.mode", "none", *FP32_MASTER)
 
 
+def compile_granularity(r: Runner, folder: Path) -> None:
+    """The text recipes with whole blocks compiled (the shipped module granularity is part recipes)."""
+    for name in ("k3_small", "k31_small"):
+        recipe(r, folder, f"{name}_block", f"train_configs/{name}.toml", "--compile.granularity", "block")
+
+
 def first_step_cache_dir(r: Runner, folder: Path) -> None:
     """The second process starts on empty Inductor/Triton caches but finds the first one's in compile.cache_dir."""
     if not r.dry_run:
@@ -351,6 +357,7 @@ def single_gpu_parts() -> list[Part]:
              recipe_no_fla_prewarm),
         Part("image_text_compile_modes", "k31_vl_small under default, with fp32 master weights, and eager fp32",
              image_text_compile_modes),
+        Part("compile_granularity", "k3_small and k31_small with --compile.granularity block", compile_granularity),
         Part("first_step_cache_dir", "k3_small twice over one compile.cache_dir: the restart's first step",
              first_step_cache_dir),
         Part("first_step_prewarm_modules", "k3_small with --compile.prewarm_modules true", first_step_prewarm_modules),
