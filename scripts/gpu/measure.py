@@ -75,8 +75,8 @@ def set_up(dry_run: bool) -> tuple[dict[str, str], list[str]]:
     steps = []
     wheels = sorted(str(p.relative_to(ROOT)) for p in (ROOT / ".whl").glob("*.whl"))
     headers = [w for w in wheels if Path(w).name.startswith("nvidia_cuda_")]
-    if wheels:  # bytecode compiled at install, as a user's pip install does (a fresh machine's imports then compile nothing)
-        rest = [w for w in wheels if w not in headers]
+    rest = [w for w in wheels if w not in headers]
+    if rest:  # bytecode compiled at install, as a user's pip install does (a fresh machine's imports then compile nothing)
         steps.append(f"{py} -m pip install -q --no-index --no-deps --upgrade --target /tmp/site {shlex.join(rest)}")
     if headers:  # outside PYTHONPATH, so torch keeps loading its own CUDA runtime
         steps.append(f"{py} -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/cuda_headers "
@@ -96,8 +96,9 @@ def set_up(dry_run: bool) -> tuple[dict[str, str], list[str]]:
     elif cute:
         notes.append("set-up: .whl_cute not unpacked: a wheel of .whl_parts is still missing parts")
     path = [str(ROOT), "/tmp/site"]
-    if cute and complete:  # the meta wheel's .pth is not read from a --target install
-        path.append("/tmp/site/nvidia_cutlass_dsl/dsl_packages")
+    dsl = Path("/tmp/site/nvidia_cutlass_dsl/dsl_packages")  # this run's unpacking or an earlier run's
+    if complete and (dsl.is_dir() or (dry_run and cute)):  # the meta wheel's .pth is not read from --target
+        path.append(str(dsl))
     if Path("/tmp/flash_site/flash_mla").is_dir() or dry_run:  # part flash_mla_build, this run or an earlier one
         path.append("/tmp/flash_site")
     env["PYTHONPATH"] = ":".join(path + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
@@ -108,7 +109,12 @@ def set_up(dry_run: bool) -> tuple[dict[str, str], list[str]]:
 
 VERSIONS = """
 import importlib, importlib.metadata as md, torch
-print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', '.'.join(map(str, torch.cuda.nccl.version())))
+try:
+    nccl = torch.cuda.nccl.version()
+    nccl = '.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
+except Exception as e:
+    nccl = f'not available ({type(e).__name__})'
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', nccl)
 for dist in ('triton', 'fla-core', 'liger-kernel', 'nvidia-cudnn-frontend', 'nvidia-cutlass-dsl', 'apache-tvm-ffi',
              'torchtitan'):
     try:
@@ -131,7 +137,7 @@ def write_env(r: Runner, notes: list[str]) -> None:
     """env.txt: the machine, the versions, the tree and the set-up's own output (also at the top of the log)."""
     parts = [sh("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv", r.env),
              sh(f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSIONS)}", r.env),
-             sh("git log --oneline -1; git status --short | head -20", r.env),
+             sh("git log -1 --format='commit %H (%cd)'; echo \"uncommitted: $(git status --short | wc -l) paths\"", r.env),
              sh("nvidia-smi topo -m", r.env) if (r.gpu_count or 0) > 1 else "",
              sh("env | grep -E '^(NCCL|CUDA_VISIBLE)' | sort; date -u", r.env), *notes]
     text = "\n".join(p for p in parts if p) + "\n"

@@ -230,6 +230,7 @@ def gpu_test_files() -> list[str]:
 
 def tests(r: Runner, folder: Path) -> None:
     """One pytest per file, each with its own limit and log (a slow file costs its own time only)."""
+    wait_for_flash_mla_build(r, folder)  # the flash_mla tests need it, when part flash_mla_build started one
     files = shlex.split(os.environ.get("TEST_FILES", "")) or gpu_test_files()
     for path in files:
         if not (ROOT / path).is_file():
@@ -292,6 +293,8 @@ def op_dsa_layer(r: Runner, folder: Path) -> None:
 def op_cp_dsa_layer(r: Runner, folder: Path) -> None:
     bench(r, folder, "cp_dsa_zigzag", "scripts/bench/cp_dsa_layer.py", "--no-autotune", "--T", "32768", "--cp", "1",
           "2", "4", "--layout", "zigzag", "--reps", "5", timeout=240)
+    bench(r, folder, "cp_dsa_contiguous", "scripts/bench/cp_dsa_layer.py", "--no-autotune", "--T", "32768", "--cp",
+          "2", "4", "--layout", "contiguous", "--reps", "5", timeout=120)
 
 
 def op_moe_alignment(r: Runner, folder: Path) -> None:
@@ -318,6 +321,7 @@ def flash_mla_build(r: Runner, folder: Path) -> None:
 
 
 def wait_for_flash_mla_build(r: Runner, folder: Path) -> None:
+    """Waits (at most 5 minutes) for a build part flash_mla_build started, then puts its folder on the path."""
     if r.dry_run or not Path("/tmp/flash_build.log").exists():
         return
     for _ in range(60):
@@ -327,6 +331,8 @@ def wait_for_flash_mla_build(r: Runner, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy("/tmp/flash_build.log", folder / "flash_build.log")
     r.note(f"[flash_mla_build] rc={FLASH_BUILD_RC.read_text().strip() if FLASH_BUILD_RC.exists() else 'still running'}")
+    if Path("/tmp/flash_site/flash_mla").is_dir() and "/tmp/flash_site" not in r.env["PYTHONPATH"].split(":"):
+        r.env["PYTHONPATH"] += ":/tmp/flash_site"
 
 
 # ----------------------------------------------------------------------------------------------- script parts
@@ -386,7 +392,8 @@ def single_gpu_parts() -> list[Part]:
         Part("op_sparse_attention", "sparse_mla triton / cudnn / flash_mla and indexer_topk triton / cudnn",
              op_sparse_attention),
         Part("op_dsa_layer", "a K3.1 DSA layer against dense-masked MLA at 8K-32K tokens", op_dsa_layer),
-        Part("op_cp_dsa_layer", "one rank of a context-parallel k31_small DSA layer at 32K tokens, CP 1 / 2 / 4",
+        Part("op_cp_dsa_layer", "one rank of a context-parallel k31_small DSA layer at 32K tokens, CP 1 / 2 / 4, both "
+                                "layouts",
              op_cp_dsa_layer),
         Part("op_moe_alignment", "the experts' row alignment: our gather against torchtitan's permutation",
              op_moe_alignment),
