@@ -26,8 +26,8 @@ from lowerings.ops import configure_backends
 from lowerings.ops.indexer_topk import SCORE_BYTES_CAP
 from lowerings.settings import configure_kernel_settings
 from titan_kimi.models.kimi_k3 import model_args_for
-from titan_kimi.models.kimi_k3.mla import GatedMLA
 from titan_kimi.parallel.context_parallel import ContextParallel
+from dsa_layer import gated_mla_layer  # scripts/bench/ is sys.path[0]
 from timing import wall_ms_and_peak, write_rows  # scripts/bench/ is sys.path[0]
 
 
@@ -80,13 +80,7 @@ def main() -> int:
     if not args.has_indexer:
         print(f"--flavor {opts.flavor} has no indexer (use a k31_* flavor)", file=sys.stderr)
         return 2
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    torch.manual_seed(0)
-    with torch.device(device):
-        mla = GatedMLA(args)
-        mla.init_weights()
-    mla.to(dtype)
-    params = [p for p in mla.parameters() if p.requires_grad]
+    mla, dtype, params = gated_mla_layer(args, device)
     T = opts.T
     x_whole = torch.randn(1, T, args.dim, device=device, dtype=dtype)
     grad_whole = torch.randn_like(x_whole)

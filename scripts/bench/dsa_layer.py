@@ -46,6 +46,17 @@ def dense_masked(mla: GatedMLA, x: torch.Tensor, indices: torch.Tensor) -> torch
     return mla.o_proj(out)
 
 
+def gated_mla_layer(args, device: torch.device) -> tuple[GatedMLA, torch.dtype, list[torch.nn.Parameter]]:
+    """The model's GatedMLA with ``args``' geometry, seeded (bf16 on CUDA, fp32 on CPU), and its trained weights."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        mla = GatedMLA(args)
+        mla.init_weights()
+    mla.to(dtype)
+    return mla, dtype, [p for p in mla.parameters() if p.requires_grad]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 16384, 32768])
@@ -61,13 +72,7 @@ def main() -> int:
         return 2
     configure_backends({"indexer_topk": "auto", "sparse_mla": "auto"})
     args = model_args_for("k31_debug" if opts.tiny else "k31")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    torch.manual_seed(0)
-    with torch.device(device):
-        mla = GatedMLA(args)
-        mla.init_weights()
-    mla.to(dtype)
-    params = [p for p in mla.parameters() if p.requires_grad]
+    mla, dtype, params = gated_mla_layer(args, device)
     rows = []
     print("| T | path | fwd+bwd ms | peak MiB | speed-up |\n|---|---|---|---|---|")
     for T in opts.T:
