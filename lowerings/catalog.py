@@ -26,8 +26,8 @@ BACKEND_OPS: dict[str, OpEntry] = {
         ("reference", "triton", "cudnn")),
     "sparse_mla": OpEntry(
         "sparse MLA backend: triton = our forward (Gluon on Hopper) and Triton backward; cudnn = our forward and "
-        "cuDNN frontend's sm90 DSA backward (1.7x the Triton backward at K3's 96 heads); flash_mla = FlashMLA's "
-        "sm90 sparse forward (scripts/build_flash_mla.sh) and the Triton backward; calls a kernel cannot take run "
+        "cuDNN frontend's sm90 DSA backward (faster than the Triton backward at K3's shapes, docs/perf.md); flash_mla = FlashMLA's "
+        "sm90 sparse forward (scripts/tools/build_flash_mla.sh) and the Triton backward; calls a kernel cannot take run "
         "triton's; dense / reference = plain torch; auto = cudnn, then flash_mla, then triton, the first that can "
         "run here", ("dense", "reference", "triton", "cudnn", "flash_mla")),
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
@@ -40,7 +40,7 @@ BACKEND_OPS: dict[str, OpEntry] = {
         "FlexAttention with a block-sparse document-causal BlockMask for packed documents (plain causal rows take "
         "SDPA's causal kernel under both); varlen = torch's FlashAttention varlen kernel over the documents' "
         "cu_seqlens (precompiled: nothing to compile; what it cannot take, e.g. context parallelism's placed queries, "
-        "runs as flex on CUDA); auto = varlen on CUDA (the step as fast as flex on the H200, the first step half as "
-        "long), sdpa elsewhere",
+        "runs as flex on CUDA); auto = varlen on CUDA (nothing to compile at the first step, the step as fast as "
+        "flex's: docs/perf.md), sdpa elsewhere",
         ("sdpa", "flex", "varlen"), reference="sdpa"),
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs titan_kimi and its dependencies into the current Python (idempotent).
+# Installs titan_kimi and its dependencies into the current Python, idempotent: bash scripts/install.sh [test|gpu]
 # torch: an existing install is kept; otherwise torch 2.13.0 (on a CPU-only machine pip takes the local CPU build).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command on a fresh machine: install with the test extras, then run the CPU test suite
-# (GPU tests are marked `gpu` and skip without CUDA). Extra arguments go to pytest.
+# The CPU test suite on a fresh machine, install included (what CI runs): bash scripts/test.sh [pytest args]
+# GPU tests are marked `gpu` and skip without CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test

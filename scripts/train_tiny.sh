@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: install, then train the tiny K3.1 (k31_debug) on the bundled sample text.
+# The main job on a fresh machine, install included: bash scripts/train_tiny.sh [--training.steps 10]
+# It trains the tiny K3.1 (k31_debug) on the bundled sample text.
 # Runs on CPU when there is no GPU. Extra arguments are passed to titan_kimi.train (e.g. --training.steps 10).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,4 @@
-"""scripts/convert_checkpoint.py: HF -> DCP -> HF, from a training checkpoint, and its errors."""
+"""scripts/tools/convert_checkpoint.py: HF -> DCP -> HF, from a training checkpoint, and its errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from test_checkpoint_hf import VISION, build_model, empty_like_model, hf_layout, read_all, write_hf
 from titan_kimi.checkpoint import CheckpointManager, checkpoint_format, load_hf_checkpoint, load_model_weights
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "convert_checkpoint.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tools" / "convert_checkpoint.py"
 _spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
 convert = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(convert)

@@ -1,4 +1,4 @@
-"""scripts/compare_loss_curves.py on synthetic ablate_compile results: the tolerance quantities per pair."""
+"""scripts/check/loss_curves.py on synthetic ablate_compile results: the tolerance quantities per pair."""
 
 import importlib.util
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("compare_loss_curves", ROOT / "scripts" / "compare_loss_curves.py")
+spec = importlib.util.spec_from_file_location("compare_loss_curves", ROOT / "scripts" / "check" / "loss_curves.py")
 compare = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = compare
 spec.loader.exec_module(compare)

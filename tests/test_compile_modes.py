@@ -23,15 +23,15 @@ from titan_kimi.parallel.compile import apply_compile
 ROOT = Path(__file__).parents[1]
 
 
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def load_script(path: str):
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / "scripts" / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-check_graph_breaks = load_script("check_graph_breaks")
-ablate_compile = load_script("ablate_compile")
+check_graph_breaks = load_script("check/graph_breaks.py")
+ablate_compile = load_script("bench/compile_modes.py")
 
 
 @pytest.fixture(autouse=True)

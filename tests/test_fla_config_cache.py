@@ -1,5 +1,5 @@
 """Shipped FLA autotune configs (lowerings/kernels/fla_config_cache.py): dump/merge in FLA's file format, the
-env selection made before fla is imported, and the CPU-testable parts of scripts/tune_fla_configs.py.
+env selection made before fla is imported, and the CPU-testable parts of scripts/tools/tune_fla_configs.py.
 
 Runs without fla installed (a fake autotuner in a fake ``fla.fake_mod`` module); where fla-core imports, the
 files are also read back through FLA's own KernelConfigFile / load_cached_config / CachedAutotuner.
@@ -304,7 +304,7 @@ def test_the_adapter_sets_nothing_at_import_and_follows_the_setting(shipped, cle
 
 # ----------------------------------------------------------------------------------- scripts/tune_fla_configs
 def load_script():
-    spec = importlib.util.spec_from_file_location("tune_fla_configs", ROOT / "scripts" / "tune_fla_configs.py")
+    spec = importlib.util.spec_from_file_location("tune_fla_configs", ROOT / "scripts" / "tools" / "tune_fla_configs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

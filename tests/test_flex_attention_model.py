@@ -17,7 +17,7 @@ from titan_kimi.models.kimi_k3 import model_args_for
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 
-_spec = importlib.util.spec_from_file_location("check_graph_breaks", Path(__file__).parents[1] / "scripts/check_graph_breaks.py")
+_spec = importlib.util.spec_from_file_location("check_graph_breaks", Path(__file__).parents[1] / "scripts/check/graph_breaks.py")
 check_graph_breaks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_graph_breaks)
 

@@ -9,7 +9,7 @@ import torch
 from titan_kimi.models.kimi_k3 import build_sequence_info, model_args_for
 from titan_kimi.models.kimi_k3.block import KimiK3Block
 
-_spec = importlib.util.spec_from_file_location("check_graph_breaks", Path(__file__).parents[1] / "scripts/check_graph_breaks.py")
+_spec = importlib.util.spec_from_file_location("check_graph_breaks", Path(__file__).parents[1] / "scripts/check/graph_breaks.py")
 check_graph_breaks = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_graph_breaks)
 

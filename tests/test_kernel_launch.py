@@ -47,7 +47,7 @@ def test_triton_op_kernels_compute_in_fp32_when_given_fp64_scalars(tmp_path):
     # a GPU, in a subprocess: the CPU tests run under TRITON_INTERPRET=1.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "aot_sm90.py"), "--scalar-types"], cwd=ROOT,
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "check" / "sm90_kernel_resources.py"), "--scalar-types"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     stats = {s["kernel"]: s for s in map(json.loads, run.stdout.splitlines())}

@@ -1,4 +1,4 @@
-"""Two GPUs over NCCL (issue 15): the CPU parity workers launched under torchrun on 2 ranks, one GPU each.
+"""Two GPUs over NCCL: the CPU parity workers launched under torchrun on 2 ranks, one GPU each.
 
 - NCCL EP all-to-all: the Trainer's step at EP2 (the MoE layers' token all-to-all, forward and backward) against
   one GPU on the whole global batch (tests/parallel_parity_worker.py ``ep2``);

@@ -46,7 +46,7 @@ def test_from_pretrained_errors_name_the_path(tmp_path, trained):
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_an_hf_attention_mask_is_the_doc_ids_of_one_document_per_row(trained, side):
-    """README: ``doc_ids = attention_mask`` (1 = token, 0 = padding); padded rows give the unpadded logits."""
+    """docs/checkpoints.md: ``doc_ids = attention_mask`` (1 = token, 0 = padding); padded rows give the unpadded logits."""
     g = torch.Generator().manual_seed(1)
     lengths = (16, 11)
     rows = [torch.randint(1, 2048, (n,), generator=g) for n in lengths]

@@ -305,7 +305,7 @@ def test_selecting_flash_mla_without_the_module_fails_with_the_reason(monkeypatc
     monkeypatch.setitem(sys.modules, "flash_mla", None)  # import flash_mla raises ModuleNotFoundError
     before = sparse_mla_backend.selected
     with pytest.raises(ValueError, match=r"python module 'flash_mla' is not installed \(build it with "
-                                         r"scripts/build_flash_mla.sh"):
+                                         r"scripts/tools/build_flash_mla.sh"):
         configure_backends({"sparse_mla": "flash_mla"})
     assert sparse_mla_backend.selected == before
 

@@ -4,7 +4,7 @@ inputs at K3's latent shape (576 / 512) with packed documents (document-local ca
 suffix) and keyless rows; the op's backward (our Triton backward on FlashMLA's out and lse) against the
 reference gradients; a CUDA-graph replay. Skips without CUDA or without an importable flash_mla:
 
-    bash scripts/build_flash_mla.sh build .src/flash_mla_src.tar.xz /tmp/site
+    bash scripts/tools/build_flash_mla.sh build .src/flash_mla_src.tar.xz /tmp/site
     PYTHONPATH=$PWD:/tmp/site python3 -m pytest -m gpu tests/test_sparse_mla_flash_mla_gpu.py
 """
 

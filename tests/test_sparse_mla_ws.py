@@ -35,7 +35,7 @@ def test_ws_forward_compiles_for_sm90(tmp_path):
     # a subprocess: the CPU tests run under TRITON_INTERPRET=1, which turns kernels into interpreted functions
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "aot_sm90.py"), "--json"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "check" / "sm90_kernel_resources.py"), "--json"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     stats = [json.loads(line) for line in run.stdout.splitlines()]

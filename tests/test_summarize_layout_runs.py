@@ -1,4 +1,4 @@
-"""scripts/summarize_layout_runs.py on synthetic metrics files: speed without the profiled step, the loss
+"""scripts/gpu/summarize_layout_runs.py on synthetic metrics files: speed without the profiled step, the loss
 comparison against the chosen reference, and runs that are missing."""
 
 import importlib.util
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("summarize_layout_runs", ROOT / "scripts" / "summarize_layout_runs.py")
+spec = importlib.util.spec_from_file_location("summarize_layout_runs", ROOT / "scripts" / "gpu" / "summarize_layout_runs.py")
 summarize = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = summarize  # its dataclasses look their module up while being built
 spec.loader.exec_module(summarize)

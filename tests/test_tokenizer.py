@@ -213,7 +213,7 @@ def test_no_added_tokens_gives_reserved_names(tmp_path):
 # -- the shipped tokenizer is what the build script produces --------------------------------------
 
 def test_build_script_reproduces_the_shipped_tokenizer(tmp_path):
-    spec = importlib.util.spec_from_file_location("build_tokenizer", REPO_ROOT / "scripts" / "build_tokenizer.py")
+    spec = importlib.util.spec_from_file_location("build_tokenizer", REPO_ROOT / "scripts" / "tools" / "build_tokenizer.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     vocab = build.train_bpe(build.count_pieces(build.training_texts(build.DATA_DIR)), build.BASE_VOCAB_SIZE)

@@ -25,7 +25,7 @@ KERNEL_MODULES = ("sparse_mla_fwd", "sparse_mla_bwd", "indexer_topk", "situ_glu"
 _INTERP_PKG = "_titan_kimi_interpreted_kernels"
 
 # ----------------------------------------------------------------------------------------------------------
-# pure-PyTorch references (also imported by scripts/bench_kernels.py)
+# pure-PyTorch references (also imported by scripts/bench/fused_ops.py)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -36,7 +36,7 @@ def from_pretrained(
     path = Path(path)
     if (path / ".metadata").is_file():
         raise ValueError(f"{str(path)!r} is a DCP checkpoint; from_pretrained reads HF folders. Export it with "
-                         f"scripts/convert_checkpoint.py dcp-to-hf, or load it into a built model with "
+                         f"scripts/tools/convert_checkpoint.py dcp-to-hf, or load it into a built model with "
                          f"titan_kimi.checkpoint.load_model_weights")
     if isinstance(dtype, str):
         if dtype not in DTYPES:

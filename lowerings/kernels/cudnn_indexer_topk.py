@@ -14,7 +14,7 @@ reference breaks them; deterministic: valid picks ascending, -1 after them):
   each query's causal position; ``q_causal_offsets`` places the chunk among the keys), keys before the query's
   document start masked to -inf, the top-k over the causal prefix, -inf picks set to -1 and
   ``compactify_wrapper`` packing each row's valid picks to the front. It scores keys of earlier documents only to
-  throw them away (scripts/bench_cudnn_dsa_indexer.py measures both layouts).
+  throw them away (scripts/bench/indexer_topk.py measures both layouts).
 
 Calls the kernels cannot take (not bf16 q/k, head dim other than 128, an index head count other than 16, 32 or
 64, or a GPU other than sm90) go to the Triton kernel: :func:`cudnn_takes` says why.

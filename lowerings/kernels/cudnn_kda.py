@@ -47,7 +47,7 @@ PLAN = "kda_hopper_cuda"  # pinned: a graph the Hopper engine declines fails lou
 # fp32 reference but the gradient of the gate input u is 2.8e-2 to 2.9e-2 from it, above the 2e-2 bound the fla
 # backend meets. The error is cuDNN's own: its backward kernel's dg (the log-space gate's gradient) is 1.03e-2
 # from the fp32 reference on the same inputs where fla's is 2.4e-3, and its other raw gradients are within
-# 3.7e-3 (scripts/check_cudnn_kda_gradients.py, eleventh session). Until that test passes the backend is refused
+# 3.7e-3 (scripts/check/cudnn_kda_gradients.py, 2026-12-01). Until that test passes the backend is refused
 # at config time; its tests and benchmark set this to run it anyway.
 NUMERICS_VALIDATED = False
 NUMERICS_REASON = ("its gate-input gradient measured 2.9e-2 relative error against the fp32 reference on the "

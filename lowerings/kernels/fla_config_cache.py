@@ -7,7 +7,7 @@ default is ``disabled``: always autotune, which costs minutes at the first train
 ``lowerings/kernels/fla_kda.py`` calls it at import, and that module imports ``fla`` only inside its functions.
 
 Configs live in ``lowerings/kernels/fla_configs/<GPU name>/`` (the name sanitised like FLA's
-``sanitize_gpu_name``) and are produced on that GPU by ``scripts/tune_fla_configs.py`` (see docs/ops.md).
+``sanitize_gpu_name``) and are produced on that GPU by ``scripts/tools/tune_fla_configs.py`` (see docs/ops.md).
 This module never imports ``fla`` itself.
 """
 

@@ -6,8 +6,8 @@ gradient buffers (``wy_dq``, ``wy_dA``, ``dhu_dh``, ...) from ``fla.ops.utils.gr
 process-wide cache keyed by name and shape, one set shared by every KDA layer and kept for the process's life.
 Under cudagraph trees (``compile.mode = reduce-overhead``) the first capture allocates them in the graph pool,
 where they outlive the graph without being its outputs: the warm-up run fails with "12 tensor(s) in the
-cudagraph pool not tracked as outputs", one per KDA layer of k3_small (allocation histories: docs/perf.md,
-eleventh session). And a gradient FLA returns straight from such a buffer (``dv`` in bf16) aliases memory the
+cudagraph pool not tracked as outputs", one per KDA layer of k3_small (seen on the H200 with allocation
+histories on, 2026-12-01). And a gradient FLA returns straight from such a buffer (``dv`` in bf16) aliases memory the
 next layer's backward overwrites. Fresh tensors are what FLA's non-graph path allocates (``new_empty``); the
 kernels write every element they read back, so nothing depends on the buffers' earlier contents.
 """

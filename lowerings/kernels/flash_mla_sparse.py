@@ -38,9 +38,9 @@ __all__ = ["unavailable_reason", "flash_mla_takes", "flash_mla_sparse_forward", 
 
 SUPPORTED_HEADS = (64, 128)  # h_q the sm90 kernel takes (csrc/api/sparse_fwd.h)
 TOPK_MULTIPLE = 128  # KU_ASSERT(params.topk % (2*B_TOPK) == 0) with B_TOPK = 64 (sm90 phase1.cuh)
-D_QK, D_V = 576, 512  # the only shapes scripts/build_flash_mla.sh's minimal build compiles
+D_QK, D_V = 576, 512  # the only shapes scripts/tools/build_flash_mla.sh's minimal build compiles
 _INT32_MAX = 2**31 - 1
-BUILD_HINT = "build it with scripts/build_flash_mla.sh and put its target folder on PYTHONPATH"
+BUILD_HINT = "build it with scripts/tools/build_flash_mla.sh and put its target folder on PYTHONPATH"
 
 
 def _flash_mla_sparse_fwd() -> Callable:

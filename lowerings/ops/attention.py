@@ -5,7 +5,7 @@ Backends (``kernels.causal_attention``): ``sdpa``, plain ``scaled_dot_product_at
 square when documents are packed), and ``flex``, FlexAttention with a block-sparse document-causal BlockMask
 (``lowerings.kernels.flex_attention``), which skips the key blocks outside each query block's documents.
 Plain causal rows (no segments) take SDPA's ``is_causal`` kernel under either backend: on the H200 it runs an
-8,192-token row in 2.68 ms against flex's 7.80 (16 heads; scripts/bench_causal_attention.py). Packed, flex
+8,192-token row in 2.68 ms against flex's 7.80 (16 heads; scripts/bench/causal_attention.py). Packed, flex
 beats sdpa by far (1.50 against 11.18 ms at 100-token documents, 4.41 against 11.24 at 4,000).
 ``varlen`` runs packed documents through torch's precompiled FlashAttention varlen kernel over the trainer's
 ``cu_seqlens`` (``lowerings.kernels.varlen_attention``). Calls it cannot take (fp32, context parallelism's

@@ -24,7 +24,7 @@ from lowerings.ops.registry import all_of, cuda_available, module_available, on_
 
 BACKENDS = op_backends("linear_cross_entropy")
 # liger on CUDA (measured on the H200: 28.2 ms fwd+bwd at k3_small, 5.9x the reference op; its three GEMMs per
-# chunk are cuBLAS). scripts/bench_linear_cross_entropy.py prints the fastest backend per shape.
+# chunk are cuBLAS). scripts/bench/linear_cross_entropy.py prints the fastest backend per shape.
 BACKENDS.add("liger", all_of(cuda_available, module_available("liger_kernel")), auto_rank=0)
 
 _EMPTY = (0,)

@@ -23,7 +23,7 @@ def _cudnn_available() -> str | None:  # sm90, cuDNN frontend's DSA backward and
 BACKENDS.add("cudnn", _cudnn_available, auto_rank=0)
 
 
-def _flash_mla_available() -> str | None:  # sm90 and an importable flash_mla (scripts/build_flash_mla.sh)
+def _flash_mla_available() -> str | None:  # sm90 and an importable flash_mla (scripts/tools/build_flash_mla.sh)
     from lowerings.kernels.flash_mla_sparse import unavailable_reason
 
     return unavailable_reason()

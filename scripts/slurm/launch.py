@@ -1,4 +1,4 @@
-"""Start titan_kimi.train on every node of a Slurm allocation: torchrun's rendezvous from Slurm's variables.
+"""Starts titan_kimi.train on every node of a Slurm allocation (train.sbatch runs it): srun --ntasks-per-node=1 python scripts/slurm/launch.py ARGS
 
 Run once per node (``srun --ntasks-per-node=1``; ``train.sbatch`` does this):
 

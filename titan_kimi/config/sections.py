@@ -196,9 +196,8 @@ class Compile:
     prewarm_modules: bool = option(
         False, "with granularity = module in a single-process text run: compile each attention and FFN kind in "
         "its own background process at launch, the first step waiting for them and then loading their graphs "
-        "from Inductor's cache instead of compiling them one after another (on one 16-core H200 host later: each "
-        "process imports and builds its layer before compiling, and the first step came at 84 s against 69 s, "
-        "docs/perf.md)")
+        "from Inductor's cache instead of compiling them one after another (on one 16-core H200 the first step "
+        "comes later than without it: each process imports and builds its layer before compiling; docs/perf.md)")
     components: list[str] = option(
         ["model"], "what to compile: model = every decoder block, loss = the head's fused linear cross-entropy",
         choices=("model", "loss"))
