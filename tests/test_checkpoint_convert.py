@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -149,7 +150,8 @@ def test_a_wrong_flavor_never_drops_weights_and_a_corrupt_dcp_exits_2(tmp_path, 
     for distcp in step.glob("*.distcp"):
         distcp.write_bytes(distcp.read_bytes()[:100])  # truncated data files
     assert convert.main(["dcp-to-hf", str(step), str(tmp_path / "out"), "--flavor", "k31_debug", "--quiet"]) == 2
-    assert f"reading DCP checkpoint {step} failed" in capsys.readouterr().err
+    assert re.search(rf"error: DCP checkpoint {step} is damaged, its model weights cannot be converted: "
+                     rf"{step}/__0_0\.distcp is 100 bytes", capsys.readouterr().err)
     (step / ".metadata").write_bytes(b"garbage")
     assert convert.main(["dcp-to-hf", str(step), str(tmp_path / "out"), "--flavor", "k31_debug", "--quiet"]) == 2
     assert f"DCP metadata {step / '.metadata'} cannot be read" in capsys.readouterr().err
@@ -207,3 +209,21 @@ def test_an_image_text_training_checkpoint_keeps_its_tower_through_dcp_hf_dcp(tm
     assert convert.main(["dcp-to-hf", str(tmp_path / "dcp2"), str(tmp_path / "hf2"), "--dtype", "float32",
                          "--quiet"]) == 0
     assert_same_checkpoint(tmp_path / "hf2", out)
+
+
+def test_a_step_with_a_damaged_optimizer_part_converts_its_weights_and_says_it_cannot_be_resumed(tmp_path, capsys):
+    from test_checkpoint_faults import cut_tail
+    from titan_kimi.checkpoint import training_state
+
+    reference = build_model("k3_debug", seed=34)
+    state = training_state(reference, torch.optim.AdamW(reference.parameters()), rng=False)
+    CheckpointManager(tmp_path / "ckpt", interval=1).save(3, state)
+    step = tmp_path / "ckpt" / "step-3"
+    name = cut_tail(step)  # the tail holds optimizer moments, written after the model's tensors
+    assert convert.main(["dcp-to-hf", str(step), str(tmp_path / "hf"), "--dtype", "float32", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(rf"warning: .*step-3 cannot be resumed from \(its model weights were read whole and written\): "
+                     rf".*step-3/{name} is \d+ bytes.*'optimizer' entries", err), err
+    model = empty_like_model(reference)
+    load_hf_checkpoint(model, tmp_path / "hf")
+    assert_same_state(model, reference)

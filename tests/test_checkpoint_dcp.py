@@ -248,3 +248,29 @@ def test_fp32_moments_of_bf16_parameters_resume_exactly(tmp_path):
         step(model, opt, t)
         step(other, other_opt, t)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+
+
+def test_a_resume_takes_the_state_from_the_checkpoint_and_the_hyperparameters_from_this_run(tmp_path, caplog):
+    """Moments and step counts come back; lr, betas, weight decay stay those the resuming run built (the trainer's
+    schedule then sets the lr), also when another optimizer class saved the state (titan_kimi's Adam with bf16
+    moments, resumed by torch's AdamW with fp32 moments: the moments take the new dtype)."""
+    from titan_kimi.training.adam_multi_tensor import MultiTensorAdam
+
+    torch.manual_seed(0)
+    saved_model = torch.nn.Linear(4, 4)
+    saved = MultiTensorAdam(saved_model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            decoupled=True, state_dtype=torch.bfloat16)
+    saved_model(torch.randn(2, 4)).sum().backward()
+    saved.step()
+    manager(tmp_path, interval=1).save(1, training_state(saved_model, saved, rng=False))
+    model = torch.nn.Linear(4, 4)
+    resumed = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.8, 0.9), weight_decay=0.0)
+    with caplog.at_level("INFO", logger="titan_kimi"):
+        assert manager(tmp_path).load(training_state(model, resumed, rng=False)) == 1
+    assert "this run's hyperparameters replace the checkpoint's: betas (0.9, 0.95) -> (0.8, 0.9)" in caplog.text
+    group = resumed.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (3e-4, (0.8, 0.9), 0.0)
+    for param, saved_param in zip(model.parameters(), saved_model.parameters()):
+        state, before = resumed.state[param], saved.state[saved_param]
+        assert state["exp_avg"].dtype == torch.float32 and torch.equal(state["exp_avg"], before["exp_avg"].float())
+        assert torch.equal(state["exp_avg_sq"], before["exp_avg_sq"].float()) and float(state["step"]) == 1.0

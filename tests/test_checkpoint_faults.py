@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -215,3 +216,72 @@ def test_disk_full_during_an_hf_export_says_so_and_replaces_nothing(tmp_path, mo
                                            r"device holding"):
         export_hf_checkpoint(model, out, dtype=torch.float32, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == before and not (tmp_path / ".hf.tmp").exists()
+
+
+def tree(folder) -> dict[str, tuple[int, int]]:
+    """Every path under ``folder`` with its size and modification time: what "nothing on disk changed" compares."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def cut_tail(step_dir, nbytes: int = 65536) -> str:
+    """Truncate the step's data file by its last ``nbytes`` (where DCP wrote the optimizer's last moments and the
+    RNG tensors, after the model's), as a full disk or a cut copy leaves it; returns the file's name."""
+    (data,) = step_dir.glob("*.distcp")
+    os.truncate(data, data.stat().st_size - nbytes)
+    return data.name
+
+
+def test_a_truncated_data_file_names_the_file_and_the_newest_intact_step_and_changes_nothing(tmp_path):
+    model = make_model()
+    state = training_state(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ckpt = CheckpointManager(tmp_path, interval=1, keep_latest_k=0)
+    for step in (1, 2):
+        ckpt.save(step, state)
+    name = cut_tail(tmp_path / "step-2")
+    before = tree(tmp_path)
+    with pytest.raises(ValueError, match=rf"(?s)checkpoint .*step-2 is damaged: .*step-2/{name} is \d+ bytes, but "
+                                         r"the step's metadata places data up to byte \d+ in it: it was cut short .*"
+                                         r"'optimizer' and 'rng' entries\. Nothing was loaded or moved\. The newest "
+                                         r"intact step is .*step-1: resume from it with checkpoint\.load_step = 1 "
+                                         r".*model weights of step-2 are whole: checkpoint\.initial_load_path"):
+        CheckpointManager(tmp_path).load(state)
+    assert tree(tmp_path) == before
+    assert CheckpointManager(tmp_path).load({"model": make_model(seed=4)}) == 2  # its weights alone are whole
+    assert CheckpointManager(tmp_path, load_step=1).load(state) == 1
+    os.remove(tmp_path / "step-1" / name)  # a deleted file: no step is intact now
+    with pytest.raises(ValueError, match=r"step-2 is damaged: .*No other step in .* is intact and resumable"):
+        CheckpointManager(tmp_path).load(state)
+
+
+def test_damage_inside_a_data_file_names_the_step(tmp_path):
+    model = make_model()
+    ckpt = CheckpointManager(tmp_path, interval=1)
+    ckpt.save(3, {"model": model})
+    (data,) = (tmp_path / "step-3").glob("*.distcp")
+    with open(data, "r+b") as f:  # the length is right, the bytes of the first saved item are not
+        f.write(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"checkpoint .*step-3 is damaged: a data file of it cannot be read "
+                                         r"\(\w+Error: .*\)\. No other step"):
+        ckpt.load({"model": make_model(seed=1)})
+
+
+def test_the_trainer_exits_2_on_a_truncated_checkpoint_and_changes_nothing(tmp_path, capsys):
+    from resume_runs import build
+    from titan_kimi import train
+    from titan_kimi.training.exit_codes import EXIT_BAD_INPUT, run_cli
+
+    argv = ["--job.config_file", "train_configs/k31_debug.toml", "--training.seq_len", "32",
+            "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--training.steps", "3",
+            "--checkpoint.enable", "true", "--job.dump_folder", str(tmp_path)]
+    trainer = build(tmp_path, argv)
+    for step in (1, 2):  # the run's own state as saved at two steps (untrained weights are enough)
+        trainer.checkpointer.save(step, trainer.train_state, force=True)
+    trainer.close()
+    name = cut_tail(tmp_path / "checkpoint" / "step-2")
+    before = tree(tmp_path)
+    assert run_cli(train.main, argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert re.search(rf"titan_kimi\.train: error: checkpoint .*step-2 is damaged: .*step-2/{name} is \d+ bytes.* The "
+                     r"newest intact step is .*step-1: resume from it with checkpoint\.load_step = 1", err), err
+    assert tree(tmp_path) == before

@@ -33,7 +33,8 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from titan_kimi.checkpoint.convert import dcp_to_hf, hf_to_dcp, refuse_output_in_source  # noqa: E402
+from titan_kimi.checkpoint.convert import (damage_outside_model, dcp_to_hf, hf_to_dcp,  # noqa: E402
+                                           refuse_output_in_source)
 from titan_kimi.checkpoint.hf_config import model_args_from_hf, read_hf_config  # noqa: E402
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
 from titan_kimi.checkpoint.progress import ProgressBar  # noqa: E402
@@ -131,12 +132,17 @@ def run(argv: list[str] | None = None) -> Path:
     args = model_args_for(opts.flavor) if opts.flavor else model_args_from_hf(opts.hf_config) if base else None
     vision = vision_args_for(opts.vision_flavor) if opts.vision_flavor else None
     refuse_output_in_source(opts.dcp_dir, opts.out_dir)  # the folder given, not only the step chosen in it
-    return dcp_to_hf(
-        _latest_step(opts.dcp_dir), opts.out_dir, args=args, vision=vision, dtype=dtype,
+    step = _latest_step(opts.dcp_dir)
+    out = dcp_to_hf(
+        step, opts.out_dir, args=args, vision=vision, dtype=dtype,
         fp32_params_dtype=DTYPES[opts.fp32_params_dtype] if opts.fp32_params_dtype else None,
         mxfp4_experts=opts.mxfp4_experts, max_shard_bytes=opts.max_shard_size, base_config=base,
         overwrite=opts.overwrite, progress=progress,
     )
+    for damage in damage_outside_model(step):
+        print(f"convert_checkpoint: warning: {step} cannot be resumed from (its model weights were read whole and "
+              f"written): {damage.describe()}", file=sys.stderr)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from titan_kimi.checkpoint.destinations import Destination
@@ -35,6 +35,7 @@ from titan_kimi.checkpoint.hf_index import CONFIG_FILE, HFCheckpoint
 from titan_kimi.checkpoint.hf_load import execute_reads, expected_hf_keys, expected_vision_keys
 from titan_kimi.checkpoint.hf_plan import LoadPlan, Read, plan_load
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWriter
+from titan_kimi.checkpoint.integrity import DamagedFile, damaged_files
 from titan_kimi.checkpoint.manager import quiet_single_process
 from titan_kimi.checkpoint.model_identity import (
     check_config_json,
@@ -177,14 +178,26 @@ def hf_to_dcp(
     return out
 
 
-def _read_metadata(dcp_path: Path) -> dict[str, Any]:
+def _read_full_metadata(dcp_path: Path) -> Metadata:
     if not (dcp_path / ".metadata").is_file():
         raise ValueError(f"{str(dcp_path)!r} is not a DCP checkpoint folder (no .metadata); pass a step-N folder")
     try:
-        return FileSystemReader(str(dcp_path)).read_metadata().state_dict_metadata
+        return FileSystemReader(str(dcp_path)).read_metadata()
     except Exception as err:  # a damaged pickle raises anything from UnpicklingError to EOFError
         raise ValueError(f"DCP metadata {dcp_path / '.metadata'} cannot be read ({type(err).__name__}: {err}); "
                          f"the checkpoint is damaged") from None
+
+
+def _read_metadata(dcp_path: Path) -> dict[str, Any]:
+    return _read_full_metadata(dcp_path).state_dict_metadata
+
+
+def damage_outside_model(dcp_path: str | Path) -> list[DamagedFile]:
+    """Files of a DCP step cut short where they hold other entries than the model (optimizer, RNG, data
+    position): its weights still convert whole, but the step cannot be resumed from."""
+    metadata = _read_full_metadata(Path(dcp_path))
+    entries = {index.fqn.split(".", 1)[0] for index in (metadata.storage_data or {})} - {MODEL_KEY}
+    return damaged_files(dcp_path, metadata, entries)
 
 
 def _holds_vision(saved: dict[str, Any]) -> bool:
@@ -193,7 +206,12 @@ def _holds_vision(saved: dict[str, Any]) -> bool:
 
 def _dcp_model_metadata(dcp_path: Path, specs: dict[str, torch.Tensor], args: KimiK3ModelArgs,
                         vision: KimiK3VisionArgs | None) -> dict[str, TensorStorageMetadata]:
-    saved = _read_metadata(dcp_path)
+    full = _read_full_metadata(dcp_path)
+    saved = full.state_dict_metadata
+    damage = damaged_files(dcp_path, full, {MODEL_KEY})
+    if damage:
+        raise ValueError(f"DCP checkpoint {dcp_path} is damaged, its model weights cannot be converted: "
+                         + "; ".join(d.describe() for d in damage))
     remedy = "Pass the --flavor / --hf-config the checkpoint was trained with (or none: model_args.json decides)."
     saved_args = read_model_args(dcp_path)
     if saved_args is not None:

@@ -7,6 +7,7 @@ because DCP keeps one copy of entries that have the same key on every rank.
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any, Sequence
 
@@ -22,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+
+logger = logging.getLogger("titan_kimi")
 
 
 def global_rank() -> int:
@@ -54,6 +57,13 @@ class ModelState(Stateful):
 class OptimizerState(Stateful):
     """Optimizer state keyed by parameter FQN (flattened: ``state.<fqn>.<name>``, ``param_groups.<fqn>.<key>``),
     one optimizer per model part.
+
+    What a load restores: the state (moments, step counts) from the checkpoint; the hyperparameters of every
+    parameter group (lr, initial_lr, betas, eps, weight_decay, implementation flags) stay those of the optimizer
+    loaded into, i.e. of this run's config, and the learning rate is the LR scheduler's to set. Copying the saved
+    groups would run the first step after a resume at the saved run's lr whenever its schedule differs (an
+    extended run: ``training.steps`` raised), whatever the scheduler restored, since DCP loads entries in sorted
+    order (``lr_scheduler`` before ``optimizer``). Saved hyperparameters that differ (other than lr) are logged.
 
     Parameters that never had a gradient have no state (e.g. layer 0's AttnRes mix, which sees an empty bank);
     ``restrict_to`` (called by ``CheckpointManager.load`` with the saved keys) requests only saved state, and
@@ -88,8 +98,12 @@ class OptimizerState(Stateful):
             return merged
         fqns = _group_fqns(merged)
         with_state = {_state_fqn(k, fqns) for k in self._saved_keys if k.startswith("state.")}
-        # Keys that are neither saved nor stateless stay requested, so DCP names them if they are missing.
-        return {k: v for k, v in merged.items() if not k.startswith("state.") or _state_fqn(k, fqns) in with_state}
+        # Group keys are read only to log changes, so a group key the checkpoint lacks (another optimizer class
+        # saved it) is not requested. State keys that are neither saved nor stateless stay requested, so DCP names
+        # them if they are missing.
+        return {k: v for k, v in merged.items()
+                if (k in self._saved_keys if k.startswith("param_groups.")
+                    else not k.startswith("state.") or _state_fqn(k, fqns) in with_state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         try:
@@ -104,11 +118,8 @@ class OptimizerState(Stateful):
                 nested = get_optimizer_state_dict(part, opt)
                 owned = [fqn for group in nested["param_groups"] for fqn in group["params"]]
                 state = {fqn: by_fqn[fqn] for fqn in owned if fqn in by_fqn}
-                for group in nested["param_groups"]:
-                    first = group["params"][0] if group["params"] else None
-                    for key in group:
-                        if key != "params" and first is not None:
-                            group[key] = state_dict[f"param_groups.{first}.{key}"]
+                # The groups stay this run's (see the class docstring): the saved ones are only compared.
+                _log_changed_hyperparameters(nested["param_groups"], state_dict)
                 set_optimizer_state_dict(
                     part, opt, {"state": state, "param_groups": nested["param_groups"]},
                     options=StateDictOptions(strict=False),  # strict=False: stateless parameters stay stateless
@@ -116,6 +127,44 @@ class OptimizerState(Stateful):
                 _restore_state_dtypes(opt, nested["param_groups"], state)
         finally:
             self._saved_keys = None
+
+
+def _log_changed_hyperparameters(groups: list[dict], saved: dict[str, Any]) -> None:
+    """One log line naming the saved hyperparameters that differ from this run's (lr follows the schedule's
+    position, so it is not compared)."""
+    changed = {}
+    for group in groups:
+        for fqn in group["params"][:1]:
+            for key, value in group.items():
+                old = saved.get(f"param_groups.{fqn}.{key}", value)
+                if key not in ("params", "lr") and _plain(old) != _plain(value):
+                    changed[key] = (old, value)
+    if changed:
+        logger.info("optimizer: this run's hyperparameters replace the checkpoint's: %s",
+                    ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items())))
+
+
+def _plain(value: Any) -> Any:
+    # A tuple (betas) may come back from the checkpoint as a list.
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+class SchedulerState(Stateful):
+    """A torch ``LRScheduler`` in a checkpoint: its own state, then its restored last lr set into its optimizer's
+    groups (the optimizer's load leaves the groups' lr alone, see ``OptimizerState``). torch's schedulers resume
+    their saved ``base_lrs`` and last lr; the trainer's ``SchedulerParts`` instead recomputes the lr from this
+    run's schedule at the restored position."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+        for group, lr in zip(self.scheduler.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
 
 
 def _restore_state_dtypes(opt: torch.optim.Optimizer, fqn_groups: list[dict], state: dict[str, dict]) -> None:
@@ -201,6 +250,10 @@ def _as_python_rng_state(value: Any) -> tuple:
     return int(version), tuple(int(x) for x in internal), gauss_next
 
 
+def _scheduler_entry(scheduler: Any) -> Any:
+    return SchedulerState(scheduler) if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) else scheduler
+
+
 def training_state(
     model: nn.Module | Sequence[nn.Module],
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | Stateful | None = None,
@@ -220,9 +273,9 @@ def training_state(
         )
         state["optimizer"] = OptimizerState(model, optimizer) if plain else optimizer
     if isinstance(lr_scheduler, (list, tuple)):  # one per model part
-        state.update({f"lr_scheduler_{i}": s for i, s in enumerate(lr_scheduler)})
+        state.update({f"lr_scheduler_{i}": _scheduler_entry(s) for i, s in enumerate(lr_scheduler)})
     elif lr_scheduler is not None:
-        state["lr_scheduler"] = lr_scheduler
+        state["lr_scheduler"] = _scheduler_entry(lr_scheduler)
     if dataloader is not None:
         # The loader's position is the same on every rank and independent of the layout (dataloader.py): one
         # entry, so that a run resumes under another data-parallel split.

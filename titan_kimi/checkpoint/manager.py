@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import re
 import shutil
 import time
@@ -30,9 +31,12 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RankLocal, RNGState, global_rank
 from titan_kimi.checkpoint.finite import check_finite_parameters
+from titan_kimi.checkpoint.hf_keys import is_adapter_key
+from titan_kimi.checkpoint.integrity import damaged_files, unreadable_data
 from titan_kimi.checkpoint.model_identity import (check_model_args, check_saved_keys, read_model_args,
                                                   write_model_args, write_vision_args)
 from titan_kimi.checkpoint.storage_errors import describe_write_failure
@@ -337,7 +341,8 @@ class CheckpointManager:
         elif step not in steps:
             raise ValueError(f"no complete checkpoint step-{step} in {self.folder}; available steps: {steps}")
         path = self.step_dir(step)
-        saved = self._saved_keys(step, steps)
+        metadata = self._metadata(step, steps)
+        saved = metadata.state_dict_metadata
         for name in [n for n, v in state.items() if isinstance(v, RNGState)]:
             if not any(k.startswith(f"{name}.rank_{global_rank()}.") for k in saved):
                 # Saved by fewer ranks (another layout): this rank's streams restart from the run's seed.
@@ -353,14 +358,26 @@ class CheckpointManager:
                 f"checkpoint.initial_load_path = {str(path)!r} and another checkpoint.folder"
             )
         self._check_model(state, saved, path)
+        damage = damaged_files(path, metadata, set(state))
+        if damage:
+            raise ValueError(f"checkpoint {path} is damaged: {'; '.join(d.describe() for d in damage)}. Nothing "
+                             f"was loaded or moved. {self._intact_remedy(step, steps, set(state), metadata)}")
         optimizers = {name: v for name, v in state.items() if isinstance(v, OptimizerState)}
         for name, value in optimizers.items():
             value.restrict_to({k[len(name) + 1 :] for k in saved if k.startswith(name + ".")})
         try:
             with quiet_single_process():
                 dcp.load(state, checkpoint_id=str(path))
-        except CheckpointException as err:
-            raise ValueError(f"loading checkpoint {path} failed (damaged or incomplete files?):\n{err}") from None
+        except (CheckpointException, RuntimeError, EOFError, pickle.UnpicklingError) as err:
+            cause = unreadable_data(err)
+            if cause is not None:
+                raise ValueError(
+                    f"checkpoint {path} is damaged: a data file of it cannot be read ({type(cause).__name__}: "
+                    f"{str(cause).splitlines()[0]}). {self._intact_remedy(step, steps, set(state))}"
+                ) from None
+            if isinstance(err, CheckpointException):
+                raise ValueError(f"loading checkpoint {path} failed (damaged or incomplete files?):\n{err}") from None
+            raise
         finally:
             for value in optimizers.values():
                 value.restrict_to(None)  # later saves write the full state
@@ -371,10 +388,41 @@ class CheckpointManager:
         self._resumed_from = step if step != steps[-1] else None
         return step
 
+    def _intact_remedy(self, step: int, steps: list[int], names: set[str],
+                       metadata: Metadata | None = None) -> str:
+        """What to do about a damaged ``step``: the newest other step that holds ``names`` with every file whole,
+        and (given the ``metadata`` of a step whose damage is known file by file) whether its model weights are
+        whole and can start a new run."""
+        path = self.step_dir(step)
+        intact = next((s for s in reversed(steps) if s != step and self._whole(s, steps, names)), None)
+        if intact is not None:
+            remedy = (f"The newest intact step is {self.step_dir(intact)}: resume from it with "
+                      f"checkpoint.load_step = {intact} (its first save moves the newer steps aside, never deletes "
+                      f"them)")
+        else:
+            remedy = f"No other step in {self.folder} is intact and resumable"
+        if (metadata is not None and "model" in names and names != {"model"}
+                and not damaged_files(path, metadata, {"model"})):
+            remedy += (f"; the model weights of {path.name} are whole: checkpoint.initial_load_path = {str(path)!r} "
+                       f"with another checkpoint.folder starts a new run from them")
+        return remedy + "."
+
+    def _whole(self, step: int, steps: list[int], names: set[str]) -> bool:
+        """Whether ``step`` holds the entries ``names`` in files long enough for them."""
+        try:
+            metadata = self._metadata(step, steps)
+        except ValueError:  # unreadable metadata
+            return False
+        holds = names <= _entries(metadata.state_dict_metadata)
+        return holds and not damaged_files(self.step_dir(step), metadata, names)
+
     def _saved_keys(self, step: int, steps: list[int]) -> Any:
+        return self._metadata(step, steps).state_dict_metadata
+
+    def _metadata(self, step: int, steps: list[int]) -> Metadata:
         path = self.step_dir(step)
         try:
-            return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+            return FileSystemReader(str(path)).read_metadata()
         except Exception as err:  # a damaged pickle raises anything from UnpicklingError to EOFError
             others = [s for s in steps if s != step]
             raise ValueError(
@@ -410,14 +458,18 @@ class CheckpointManager:
             if not isinstance(value, ModelState):
                 continue
             prefix = name + "."
+            own = value.state_dict()
             if args is not None:
                 saved_args = read_model_args(path)
                 if saved_args is not None:
                     check_model_args(saved_args, args, f"checkpoint {path}", remedy=_REMEDY)
-                check_saved_keys((k[len(prefix):] for k in saved if k.startswith(prefix)), args,
-                                 f"checkpoint {path}", remedy=_REMEDY,
+                # A LoRA model's adapters are not in the base model's keys; the missing-key check covers its own.
+                lora = any(is_adapter_key(k) for k in own)
+                check_saved_keys((k[len(prefix):] for k in saved
+                                  if k.startswith(prefix) and not (lora and is_adapter_key(k[len(prefix):]))),
+                                 args, f"checkpoint {path}", remedy=_REMEDY,
                                  vision=getattr(value.parts[0], "vision_args", None))
-            missing = sorted(k for k in value.state_dict() if prefix + k not in saved)
+            missing = sorted(k for k in own if prefix + k not in saved)
             if missing:
                 shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
                 raise ValueError(f"checkpoint {path} lacks {len(missing)} key(s) of this model: {shown}.\n{_REMEDY}")
