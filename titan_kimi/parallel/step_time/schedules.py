@@ -123,14 +123,16 @@ class Timeline:
 
 
 def simulate(plan: PipelinePlan, n_microbatches: int, times: dict[int, StageTimes],
-             transfer: float = 0.0, start: dict[int, float] | None = None) -> Timeline:
-    """Run every rank's order with ``times[stage]`` per action and ``transfer`` seconds between stages on
-    different ranks; ``start``: when each rank may begin (e.g. after an exposed weight gather)."""
+             transfer: dict[int, float] | None = None, first_forward: dict[int, float] | None = None) -> Timeline:
+    """Run every rank's order with ``times[stage]`` per action; ``transfer[s]``: seconds for stage ``s``'s
+    output to reach stage ``s + 1`` on another rank (and its gradient to come back); ``first_forward[s]``:
+    extra seconds of stage ``s``'s first forward (e.g. the exposed part of its weight all-gather)."""
+    transfer, first_forward = transfer or {}, first_forward or {}
     orders = rank_orders(plan, n_microbatches)
     owner = {s: r for r in range(plan.pp) for s in plan.stages_of_rank(r)}
     last = plan.num_stages - 1
     done: dict[Action, float] = {}
-    clock = {r: (start or {}).get(r, 0.0) for r in orders}
+    clock = {r: 0.0 for r in orders}
     busy = {r: 0.0 for r in orders}
     pos = {r: 0 for r in orders}
 
@@ -138,7 +140,9 @@ def simulate(plan: PipelinePlan, n_microbatches: int, times: dict[int, StageTime
         def after(dep: Action) -> float | None:
             if dep not in done:
                 return None
-            return done[dep] + (transfer if owner[dep.stage] != owner[a.stage] else 0.0)
+            if owner[dep.stage] == owner[a.stage]:
+                return done[dep]
+            return done[dep] + transfer.get(min(dep.stage, a.stage), 0.0)
 
         if a.kind == FORWARD:
             return 0.0 if a.stage == 0 else after(Action(a.stage - 1, FORWARD, a.microbatch))
@@ -160,8 +164,11 @@ def simulate(plan: PipelinePlan, n_microbatches: int, times: dict[int, StageTime
                 if t is None:
                     break
                 begin = max(clock[r], t)
-                clock[r] = begin + times[a.stage].of(a.kind)
-                busy[r] += times[a.stage].of(a.kind)
+                cost = times[a.stage].of(a.kind)
+                if a.kind == FORWARD and a.microbatch == 0:
+                    cost += first_forward.get(a.stage, 0.0)
+                clock[r] = begin + cost
+                busy[r] += cost
                 done[a] = clock[r]
                 if a.kind == BACKWARD:  # a full backward holds both halves
                     done[Action(a.stage, INPUT, a.microbatch)] = clock[r]

@@ -83,10 +83,14 @@ class Table:
     def hardware(self) -> str:
         return self.data.get("hardware", "?") if self.data else "none"
 
-    def entries(self, geometry: str, section: str, kind: str) -> list[Measured]:
+    def raw(self, geometry: str, section: str) -> dict[str, list[dict[str, Any]]]:
+        """The stored records of one section of one geometry, by kind."""
         if not self.data:
-            return []
-        rows = self.data.get("geometries", {}).get(geometry, {}).get(section, {}).get(kind, [])
+            return {}
+        return self.data.get("geometries", {}).get(geometry, {}).get(section, {})
+
+    def entries(self, geometry: str, section: str, kind: str) -> list[Measured]:
+        rows = self.raw(geometry, section).get(kind, [])
         return [Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"],
                          r["ac"], r["load"]) for r in rows]
 

@@ -1,0 +1,86 @@
+"""The layouts a GPU count allows for a recipe, each estimated, and the fastest that fits.
+
+Candidates keep the recipe's global batch, sequence length, model and activation checkpointing, and vary
+pipeline degree and schedule, context parallelism, expert parallelism and the microbatch size (dp_shard takes
+the ranks left, dp_replicate stays 1). Whether one is valid is decided where the trainer decides it: the config
+rules (``validate_job_config`` at that world size) and ``resolve_layout``; nothing is re-checked here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from titan_kimi.config.validation import validate_job_config
+from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
+from titan_kimi.parallel.step_time.estimate import StepEstimate, StepTimeModel
+
+PIPELINE_DEGREES = (1, 2, 4, 8)
+CONTEXT_DEGREES = (1, 2, 4)
+EXPERT_DEGREES = (8, 16, 32, 64, 128)  # with the configured one: below 8 the experts' gathers dominate
+MICROBATCH_SIZES = (1, 2, 4)
+SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass
+class Candidate:
+    cfg: object
+    layout: ParallelLayout
+
+
+def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int, schedule: str):
+    """``cfg`` with these degrees at ``world_size`` GPUs (the recipe's global batch spread over the data-parallel
+    ranks), or None when the batch does not spread."""
+    t = cfg.training
+    dp = world_size // (pp * cp)
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+    if world_size % (pp * cp) or global_batch % dp:
+        return None
+    out = copy.copy(cfg)  # the sections that change are new objects; the others are shared
+    out.parallelism = dataclasses.replace(
+        cfg.parallelism, pipeline_parallel_degree=pp, context_parallel_degree=cp, expert_parallel_degree=ep,
+        data_parallel_shard_degree=-1, data_parallel_replicate_degree=1,
+        pipeline_parallel_schedule=schedule if pp > 1 else "1F1B", pipeline_parallel_stages_per_rank=0,
+        pipeline_parallel_split=[], pipeline_parallel_microbatch_size=microbatch if pp > 1 else 1)
+    out.training = dataclasses.replace(cfg.training, local_batch_size=global_batch // dp,
+                                       global_batch_size=global_batch)
+    out.job = dataclasses.replace(cfg.job, world_size=world_size)
+    return out
+
+
+def candidates(cfg, args, world_size: int) -> tuple[list[Candidate], int]:
+    """The valid layouts of ``world_size`` GPUs, and how many were rejected by the trainer's checks."""
+    found, rejected, seen = [], 0, set()
+    experts = sorted({*EXPERT_DEGREES, cfg.parallelism.expert_parallel_degree})
+    for pp in PIPELINE_DEGREES:
+        for cp in CONTEXT_DEGREES:
+            for ep in experts:
+                for mb in MICROBATCH_SIZES if pp > 1 else (1,):
+                    for schedule in SCHEDULES if pp > 1 else ("1F1B",):
+                        c = variant(cfg, world_size, pp=pp, cp=cp, ep=ep, microbatch=mb, schedule=schedule)
+                        if c is None:
+                            continue
+                        try:  # the layout's own checks first: they are the cheaper ones
+                            layout = resolve_layout(c.parallelism, world_size, args,
+                                                    local_batch_size=c.training.local_batch_size,
+                                                    seq_len=c.training.seq_len)
+                            validate_job_config(c, None, world_size, check_registry=False)
+                        except ValueError:
+                            rejected += 1
+                            continue
+                        key = layout.describe()
+                        if key not in seen:
+                            seen.add(key)
+                            found.append(Candidate(c, layout))
+    return found, rejected
+
+
+def sweep(model: StepTimeModel, world_size: int) -> tuple[list[StepEstimate], int]:
+    """Every valid layout of ``world_size`` GPUs estimated, fastest first; and the count rejected."""
+    found, rejected = candidates(model.cfg, model.args, world_size)
+    estimates = []
+    for c in found:
+        estimates.append(model.with_config(c.cfg).estimate(c.layout))
+    estimates.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    return estimates, rejected
