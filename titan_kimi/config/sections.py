@@ -341,6 +341,10 @@ class StepTime:
     table: str = option(
         "", "job.estimate_step_time: the measured per-layer table (scripts/bench/rank_slice.py writes it); \"\" = "
         "the shipped titan_kimi/parallel/step_time_h200.json")
+    rows: str = option(
+        "", "job.estimate_step_time: what a row of training.seq_len holds (its segments decide attention work): "
+        "padded:<valid tokens>, packed:<documents> or medpix:<text tokens>:<H>x<W> (one image); \"\" = the "
+        "dataset's (medpix: one 896x896 image + 128 text tokens; hellaswag: padded:128; packed_text: packed:4)")
     fallback_mfu: float = option(
         0.4, "job.estimate_step_time: for layer kinds the table lacks (or without a table), the FLOP rate as a "
         "fraction of metrics.peak_flops; a stated guess, and every such line says so",

@@ -15,16 +15,16 @@ import torch
 
 from titan_kimi.config import load_job_config
 from titan_kimi.data.causal_keys import longest_document
-from titan_kimi.models.kimi_k3.layer_flops import row_segments
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.parallel.pipeline_images import unpad_images
 from titan_kimi.parallel.rank_slice.build import build_rank_slice, compute_dtype, stages_of
 from titan_kimi.parallel.rank_slice.expert_load import balanced_load, parse_load
 from titan_kimi.parallel.rank_slice.measure import (ATTENTION, BLOCK, FFN, Entry, measure_blocks, measure_head,
                                                     measure_optimizer, measure_vision, run_schedule)
-from titan_kimi.parallel.rank_slice.microbatch import DEFAULT_ROWS, RowLayout, make_microbatch, parse_rows
+from titan_kimi.parallel.rank_slice.microbatch import RowLayout, make_microbatch
 from titan_kimi.parallel.rank_slice.report import markdown_report
-from titan_kimi.parallel.step_time.stage_work import stage_work
+from titan_kimi.parallel.step_time.describe import settings_from_config
+from titan_kimi.parallel.step_time.estimate import StepTimeModel
 from titan_kimi.parallel.step_time.table import Table, ac_share, geometry_key, merge_entries
 from titan_kimi.training.build import model_args_from_config, tokenizer_from_config, vision_args_from_config
 from titan_kimi.training.kernels import configure_kernels
@@ -63,7 +63,10 @@ class RankSliceBench:
         self.resolved = configure_kernels(cfg.kernels, args)
         self.tokenizer = tokenizer_from_config(cfg, args)
         self.vision = vision_args_from_config(cfg, self.tokenizer)
-        self.rows_layout: RowLayout = parse_rows(opts.rows or DEFAULT_ROWS[cfg.data.dataset])
+        if opts.rows:
+            cfg.step_time.rows = opts.rows  # the same forms; the step-time model checks it against seq_len
+        self.model = StepTimeModel(cfg, args, self.vision, settings_from_config(cfg))
+        self.rows_layout: RowLayout = self.model.rows_layout
         pipeline = self.layout.pipeline
         self.rows = self.layout.microbatch_size if pipeline is not None else t.local_batch_size
         global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * self.layout.dp
@@ -74,7 +77,7 @@ class RankSliceBench:
         self.gen = torch.Generator().manual_seed(cfg.job.seed)
         self.peak_flops = cfg.metrics.peak_flops
         self.loads = self._loads()
-        self.work = self._stage_works()
+        self.work = self.model.works(self.layout, self.rows)
         self.stage = opts.stage if opts.stage >= 0 else max(self.work, key=lambda w: self.work[w].total.total)
         if self.stage not in self.work:
             raise ValueError(f"--stage {opts.stage}: valid 0..{len(self.work) - 1} (or -1, the busiest)")
@@ -101,25 +104,6 @@ class RankSliceBench:
         a = self.args
         return [parse_load(spec, self.tokens, a.num_experts_per_tok, a.num_experts, self.layout.ep)
                 for spec in self.opts.loads]
-
-    def _stage_works(self) -> dict:
-        plan = self.layout.pipeline
-        ranges = plan.ranges if plan is not None else ((0, self.args.n_layers),)
-        from titan_kimi.parallel.rank_slice.microbatch import doc_ids_for, image_grid
-
-        grids, image_tokens = [], 0
-        if self.rows_layout.kind == "medpix" and self.vision is not None:
-            grid = image_grid(self.rows_layout.image, self.vision.patch_size, self.vision.merge_kernel)
-            image_tokens = grid[1] // self.vision.merge_kernel[0] * (grid[2] // self.vision.merge_kernel[1])
-            grids = [grid] * self.rows
-        row = doc_ids_for(self.rows_layout, self.cfg.training.seq_len, image_tokens)
-        segments = row_segments(row.expand(self.rows, -1))
-        routed = self.loads[0].rows if self.loads else self.tokens * self.args.num_experts_per_tok
-        dense = plan is None and longest_document(row.expand(self.rows, -1)) <= self.args.index_topk
-        self.segments = segments
-        return {s: stage_work(self.args, s, r, segments, routed_rows=routed, dsa_dense=dense and self.args.has_indexer,
-                              vision=self.vision, grids=grids, tower_trained=not self.cfg.model.freeze_vision_tower)
-                for s, r in enumerate(ranges)}
 
     def _meta(self) -> dict:
         cfg, layout = self.cfg, self.layout

@@ -57,8 +57,9 @@ class LocalDispatch:
 
 
 def localize_experts(model: nn.Module, load: ExpertLoad) -> list[LocalDispatch]:
-    """Give every MoE layer of ``model`` (on the meta device, before materialising) the ``load.counts.shape[1]``
-    local experts of one EP rank and the local dispatch. Returns the hooks (one per layer)."""
+    """Give every MoE layer of ``model`` the ``load.counts.shape[1]`` local experts of one EP rank (the first
+    ones; free on the meta device, before materialising) and the local dispatch. Returns the hooks (one per
+    layer)."""
     _permutation_on_any_device()
     hooks = []
     ep, local = load.counts.shape
@@ -67,10 +68,10 @@ def localize_experts(model: nn.Module, load: ExpertLoad) -> list[LocalDispatch]:
         experts = moe.experts
         if experts.num_experts != ep * local:
             raise ValueError(f"the load is for {ep} x {local} experts; the layer has {experts.num_experts}")
-        # as apply_expert_parallel does: the same module on its local shard (here the first experts' rows)
+        # as apply_expert_parallel does: the same module on its local shard (EP rank 0's experts)
         for name, p in list(experts.named_parameters(recurse=False)):
             if p.shape[0] == experts.num_experts:
-                shard = torch.empty(local, *p.shape[1:], dtype=p.dtype, device=p.device)
+                shard = p.detach()[:local].clone()
                 setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
         experts.num_experts = local
         experts.__class__ = expert_shard_class(type(experts))

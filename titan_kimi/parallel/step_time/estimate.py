@@ -80,7 +80,13 @@ class StepTimeModel:
         self.geometry = geometry_key(args)
         ac = cfg.activation_checkpoint
         self.ac = ac_share(ac.mode, ac.selective_ac_option)
-        self.rows_layout = parse_rows(DEFAULT_ROWS[cfg.data.dataset])
+        spec = cfg.step_time.rows or DEFAULT_ROWS[cfg.data.dataset]
+        try:
+            self.rows_layout = parse_rows(spec)
+            doc_ids_for(self.rows_layout, cfg.training.seq_len, self._image_tokens())
+        except ValueError as err:
+            raise ValueError(f"step_time.rows = {cfg.step_time.rows!r} (row layout {spec!r}): {err}; set "
+                             "step_time.rows to a layout that fits training.seq_len") from None
         self.dtype = DTYPES[cfg.training.param_dtype] if cfg.training.mixed_precision else DTYPES[cfg.model.dtype]
 
     def with_config(self, cfg) -> "StepTimeModel":
@@ -99,13 +105,17 @@ class StepTimeModel:
         return self._counts[layer_range]
 
     # ------------------------------------------------------------------ work per microbatch
+    def _grids(self) -> list[tuple[int, int, int]]:
+        if self.rows_layout.kind != "medpix" or self.vision is None:
+            return []
+        return [image_grid(self.rows_layout.image, self.vision.patch_size, self.vision.merge_kernel)]
+
+    def _image_tokens(self) -> int:
+        kh, kw = self.vision.merge_kernel if self.vision is not None else (1, 1)
+        return sum(h // kh * (w // kw) for _, h, w in self._grids())
+
     def _row(self, seq_len: int):
-        grids, image_tokens = [], 0
-        if self.rows_layout.kind == "medpix" and self.vision is not None:
-            grid = image_grid(self.rows_layout.image, self.vision.patch_size, self.vision.merge_kernel)
-            image_tokens = grid[1] // self.vision.merge_kernel[0] * (grid[2] // self.vision.merge_kernel[1])
-            grids = [grid]
-        return doc_ids_for(self.rows_layout, seq_len, image_tokens), grids
+        return doc_ids_for(self.rows_layout, seq_len, self._image_tokens()), self._grids()
 
     def load_factor(self, ep: int) -> tuple[float, str]:
         """Rows the busiest of ``ep`` EP ranks receives over the balanced share, under the load the table's
