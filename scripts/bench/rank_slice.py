@@ -16,11 +16,18 @@ Parts (``--parts``, in this order; results are written after each one, so a run 
             its attention and FFN apart; the MoE under every --loads; the vision tower per image; head + loss;
             one optimizer step per parameter.
   dsa       the DSA attention (indexer + sparse MLA) on rows of one document of each --dsa-rows length.
+  gemm      the routed experts' GEMMs alone under every load: grouped_mm (what runs), one mm per expert, and one
+            dense GEMM chain of the same FLOPs (the floor).
   table     the block kinds again at --table-tokens tokens per microbatch (one document per row).
   stage     the rank's schedule over its microbatches (every stage's forward / backward per microbatch, the
             step's span) and its peak memory with the FSDP shards and Adam moments allocated beside.
 Writes DIR/rank_slice.json and DIR/rank_slice.md, and merges the entries into the step-time table
 (--table, default DIR/step_time_h200.json; copy it to titan_kimi/parallel/step_time_h200.json to ship it).
+A/B in one run: ``--variants NAME="OVERRIDES" ...`` (e.g. eager="" compile="--compile.mode default"
+sparse_cudnn="--kernels.sparse_mla cudnn") rebuilds the slice once per variant after the parts above, runs
+``--variant-parts`` (default layers) with the variant's config overrides added, and writes DIR/variants.md
+(forward + backward ms per item and the speed-up over the first variant) and DIR/variants/NAME/. Variants do
+not go into the step-time table. A variant that fails is reported and the next one runs.
 On a CPU, a smoke run: a debug flavor and a small layout through the same overrides.
 """
 
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -36,7 +44,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("tune_fla", "layers", "dsa", "table", "stage")
+PARTS = ("tune_fla", "layers", "dsa", "gemm", "table", "stage")
+VARIANT_PARTS = ("layers", "gemm", "stage")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -61,12 +70,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--table", type=Path, default=None, help="step-time table to merge into "
                         "(default DIR/step_time_h200.json)")
     parser.add_argument("--tune-timeout", type=int, default=360, help="seconds the FLA tuning may take")
+    parser.add_argument("--tune-tokens", type=int, nargs="*", default=[],
+                        help="tokens per KDA call to tune FLA at (default: this run's microbatch)")
+    parser.add_argument("--variants", nargs="*", default=[], help='A/B variants: NAME="config overrides"')
+    parser.add_argument("--variant-parts", nargs="+", default=["layers"], choices=VARIANT_PARTS,
+                        help="parts each variant runs")
     opts, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("--") and "." not in o]
     if bad:
         parser.error(f"unknown options {bad}; config overrides look like --section.key value")
     if opts.warmup < 0 or opts.repeats < 1 or opts.steps < 1 or opts.max_layers < 0:
         parser.error("--warmup >= 0, --repeats >= 1, --steps >= 1 and --max-layers >= 0")
+    for v in opts.variants:
+        name, sep, _ = v.partition("=")
+        if not sep or not name.isidentifier():
+            parser.error(f"--variants {v!r}: expected NAME=\"--section.key value ...\" with NAME a word")
+    opts.command = "python scripts/bench/rank_slice.py " + " ".join(shlex.quote(a) for a in argv)
     return opts, overrides
 
 
@@ -92,12 +111,12 @@ def prepare_fla_dir(out: Path) -> Path | None:
     return target
 
 
-def tune_fla(target: Path, heads: int, head_dim: int, tokens: int, timeout: int) -> dict:
+def tune_fla(target: Path, heads: int, head_dim: int, tokens: list[int], timeout: int) -> dict:
     """FLA's autotune at this run's KDA shape in a fresh process (``tune_fla_configs.py``), merged into target."""
     script = next(iter(sorted((ROOT / "scripts").rglob("tune_fla_configs.py"))), None)
     if script is None:
         return {"status": "scripts/**/tune_fla_configs.py not found"}
-    cmd = [sys.executable, str(script), "--heads", str(heads), "--dim", str(head_dim), "--seq-lens", str(tokens),
+    cmd = [sys.executable, str(script), "--heads", str(heads), "--dim", str(head_dim), "--seq-lens", *map(str, tokens),
            "--varlen-docs", "2", "--out", str(target), "--no-check"]
     env = {k: v for k, v in os.environ.items() if k not in ("FLA_CACHE_MODE", "FLA_CONFIG_DIR")}
     start = time.perf_counter()
@@ -128,14 +147,48 @@ def main(argv: list[str]) -> int:
             elif not bench.kda_shape:
                 report["tune_fla"] = {"status": "skipped: no KDA layer in the built stages"}
             else:
-                report["tune_fla"] = tune_fla(fla_dir, *bench.kda_shape, opts.tune_timeout)
+                heads, dim, tokens = bench.kda_shape
+                report["tune_fla"] = tune_fla(fla_dir, heads, dim, opts.tune_tokens or [tokens], opts.tune_timeout)
                 report["tune_fla"]["configs"] = str(fla_dir)
         else:
             getattr(bench, f"run_{part}")()
         report.setdefault("part_seconds", {})[part] = round(time.perf_counter() - start, 1)
         bench.write()
         log(f"part {part} done in {time.perf_counter() - start:.1f} s")
+    if opts.variants:
+        run_variants(bench, opts, overrides)
     return 0
+
+
+def run_variants(bench, opts, overrides: list[str]) -> None:
+    """Each variant's slice built in turn (the previous one freed), its parts run, the A/B written."""
+    import copy
+
+    from titan_kimi.parallel.rank_slice.bench import RankSliceBench
+    from titan_kimi.parallel.rank_slice.report import variants_report
+
+    bench.release()
+    reports = {}
+    for spec in opts.variants:
+        name, _, extra = spec.partition("=")
+        sub_opts = copy.copy(opts)
+        sub_opts.out = opts.out / "variants" / name
+        sub_opts.parts = list(opts.variant_parts)
+        log(f"variant {name}: {extra or '(the recipe as it is)'}")
+        try:
+            sub = RankSliceBench(sub_opts, [*overrides, *shlex.split(extra)], log)
+            sub.report["meta"]["variant"] = extra
+            for part in [p for p in VARIANT_PARTS if p in sub_opts.parts]:
+                getattr(sub, f"run_{part}")()
+                sub.write(table=False)
+            reports[name] = sub.report
+            sub.release()
+        except Exception as err:  # a variant that cannot run (a backend missing here) must not stop the others
+            log(f"variant {name} failed: {type(err).__name__}: {err}")
+            reports[name] = {"meta": {"overrides": extra}, "error": f"{type(err).__name__}: {err}"}
+        (opts.out / "variants.md").write_text(variants_report(
+            {n: r for n, r in reports.items() if "error" not in r})
+            + "".join(f"\n{n} failed: {r['error']}\n" for n, r in reports.items() if "error" in r))
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def _commit(root: Path) -> str:
 class RankSliceBench:
     def __init__(self, opts, overrides: list[str], log: Callable[[str], None]) -> None:
         self.opts, self.log = opts, log
+        self.overrides = overrides
         argv = ["--job.config_file", str(opts.config), "--job.world_size", str(opts.world_size), *overrides]
         cfg = self.cfg = load_job_config(argv)
         args = self.args = model_args_from_config(cfg)
@@ -120,6 +121,7 @@ class RankSliceBench:
                 "rows": self.rows_layout.describe(), "microbatch": f"{self.rows} x {cfg.training.seq_len} tokens",
                 "microbatches": self.n_microbatches, "loads": [l.describe() for l in self.loads],
                 "stage": self.stage, "pp_rank": self.pp_rank, "peak_flops": self.peak_flops,
+                "overrides": " ".join(self.overrides), "command": getattr(self.opts, "command", ""),
             },
             "stage_flops": {s: {"layers": len(w.layers), "forward": w.total.forward, "backward": w.total.backward}
                             for s, w in self.work.items()},
@@ -193,6 +195,32 @@ class RankSliceBench:
             self.slice.set_load(self.loads[0])
         self._add("table", entries, "packed rows of one document")
 
+    def run_gemm(self) -> None:
+        """The expert GEMMs alone against their floor, under every load."""
+        from titan_kimi.parallel.rank_slice.expert_gemms import measure_expert_gemms
+
+        if not self.loads:
+            self.report["gemm"] = "no expert parallelism: the experts are the model's own"
+            return
+        experts = next(getattr(b, "_checkpoint_wrapped_module", b).moe.experts for part in self.slice.parts
+                       for b in part.layers.values() if getattr(getattr(b, "_checkpoint_wrapped_module", b),
+                                                                 "moe_enabled", False))
+        entries = []
+        for load in self.loads:
+            entries += measure_expert_gemms(experts, load, warmup=self.opts.warmup, repeats=self.opts.repeats,
+                                            generator=self.gen, device=self.device)
+        self._add("gemm", entries)
+
+    def release(self) -> None:
+        """Free the built stages (before another variant is built on the same device)."""
+        import gc
+
+        self.slice = self.mbs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+
     def run_stage(self) -> None:
         run = run_schedule(self.slice, self.mbs, self.layout.pipeline, self.pp_rank, self.n_microbatches,
                            steps=self.opts.steps, generator=self.gen, device=self.device, forward=self._forward)
@@ -228,11 +256,13 @@ class RankSliceBench:
         for e in entries:
             self.log(f"{e.name}: fwd {e.forward_ms:.2f} ms, bwd {e.backward_ms:.2f} ms ({e.tokens} tokens)")
 
-    def write(self) -> None:
+    def write(self, table: bool = True) -> None:
         out: Path = self.opts.out
+        out.mkdir(parents=True, exist_ok=True)
         (out / "rank_slice.json").write_text(json.dumps(self.report, indent=1, default=str) + "\n")
         (out / "rank_slice.md").write_text(markdown_report(self.report))
-        self._write_table()
+        if table:
+            self._write_table()
 
     def _write_table(self) -> None:
         path = self.opts.table or self.opts.out / "step_time_h200.json"

@@ -81,7 +81,8 @@ def _timed(fn_forward, device, warmup: int, repeats: int) -> tuple[float, float,
         b = watch.mark()
         after = allocated(device)
         saved.append(None if after is None else after - before)
-        torch.autograd.backward(outs, grads)
+        if any(o.requires_grad for o in outs):  # (a frozen module's output has no backward)
+            torch.autograd.backward(outs, grads)
         c = watch.mark()
         return [a, b, c]
 

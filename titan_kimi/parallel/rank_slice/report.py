@@ -16,7 +16,7 @@ def _entries(rows: list[dict]) -> list[str]:
         backward = f["backward_input"] + f["backward_weight"]
         mfu = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         out.append(f"| {r['name']} | {r['tokens']} | {_num(r['forward_ms'])} | {_num(r['backward_ms'])} | "
-                   f"{f['forward'] / 1e9:.1f} | {backward / 1e9:.1f} | {_num(r['forward_tflops'], '.0f')} | "
+                   f"{f['forward'] / 1e9:.4g} | {backward / 1e9:.4g} | {_num(r['forward_tflops'], '.0f')} | "
                    f"{_num(r['backward_tflops'], '.0f')} | {mfu} | {_num(r['saved_gib'])} | {_num(r['peak_gib'])} | "
                    f"{r['note']} |")
     return out
@@ -38,6 +38,7 @@ def markdown_report(report: dict) -> str:
     if "tune_fla" in report:
         lines += [f"FLA tuning: {report['tune_fla']}", ""]
     for part, title in (("layers", "Per layer kind (the recipe's microbatch)"), ("dsa", "DSA attention on long rows"),
+                        ("gemm", "The routed experts' GEMMs against their floor"),
                         ("table", "Block kinds at other microbatch sizes")):
         if isinstance(report.get(part), list):
             lines += [f"## {title}", "", *_entries(report[part]), ""]
@@ -60,4 +61,30 @@ def markdown_report(report: dict) -> str:
         lines += [f"- step span {sched['step_ms']:.0f} ms; microbatches in flight {sched['in_flight']}",
                   f"- peak memory {_num(sched['peak_gib'])} GiB, with {sched['allocated_states_gib']:.1f} GiB allocated "
                   "for the FSDP shards and Adam moments (and any layers not built)"]
+    return "\n".join(lines) + "\n"
+
+
+def variants_report(reports: dict[str, dict]) -> str:
+    """A/B of the variants' per-layer entries: forward + backward ms of each item, and its speed-up over the
+    first variant."""
+    names = list(reports)
+    rows: dict[tuple[str, str], dict[str, float]] = {}
+    for variant, report in reports.items():
+        for part in ("layers", "gemm"):
+            for r in report.get(part, []) if isinstance(report.get(part), list) else []:
+                rows.setdefault((r["name"], r.get("load", "")), {})[variant] = r["forward_ms"] + r["backward_ms"]
+    lines = ["# Variants: forward + backward ms per item (speed-up over the first)", "",
+             *(f"- {n}: {reports[n]['meta'].get('variant') or 'no overrides'}" for n in names), "",
+             "| item | load | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for (item, load), times in rows.items():
+        base = times.get(names[0])
+        cells = []
+        for n in names:
+            t = times.get(n)
+            cells.append("—" if t is None else f"{t:.2f}" + (f" ({base / t:.2f}x)" if base and n != names[0] else ""))
+        lines.append(f"| {item} | {load} | " + " | ".join(cells) + " |")
+    for n in names:
+        sched = reports[n].get("schedule")
+        if sched:
+            lines.append(f"\n{n}: schedule step {sched['step_ms']:.0f} ms, peak {_num(sched['peak_gib'])} GiB")
     return "\n".join(lines) + "\n"
