@@ -151,7 +151,12 @@ def main(argv: list[str]) -> int:
                 report["tune_fla"] = tune_fla(fla_dir, heads, dim, opts.tune_tokens or [tokens], opts.tune_timeout)
                 report["tune_fla"]["configs"] = str(fla_dir)
         else:
-            getattr(bench, f"run_{part}")()
+            try:
+                getattr(bench, f"run_{part}")()
+            except Exception as err:  # e.g. out of memory: record it, free what it held, run the next part
+                log(f"part {part} failed: {type(err).__name__}: {str(err)[:500]}")
+                report[part] = {"error": f"{type(err).__name__}: {str(err)[:2000]}"}
+                bench.free_cached()
         report.setdefault("part_seconds", {})[part] = round(time.perf_counter() - start, 1)
         bench.write()
         log(f"part {part} done in {time.perf_counter() - start:.1f} s")

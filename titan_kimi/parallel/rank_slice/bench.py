@@ -211,6 +211,16 @@ class RankSliceBench:
                                             generator=self.gen, device=self.device)
         self._add("gemm", entries)
 
+    def free_cached(self) -> None:
+        """Gradients and cached blocks of a failed part go back to the device."""
+        import gc
+
+        for part in self.slice.parts:
+            part.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def release(self) -> None:
         """Free the built stages (before another variant is built on the same device)."""
         import gc

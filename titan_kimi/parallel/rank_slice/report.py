@@ -37,6 +37,9 @@ def markdown_report(report: dict) -> str:
              "checkpointing also recomputes the forward: executed, not counted)", ""]
     if "tune_fla" in report:
         lines += [f"FLA tuning: {report['tune_fla']}", ""]
+    for part, value in report.items():
+        if isinstance(value, dict) and "error" in value:
+            lines += [f"**part {part} failed**: {value['error']}", ""]
     for part, title in (("layers", "Per layer kind (the recipe's microbatch)"), ("dsa", "DSA attention on long rows"),
                         ("gemm", "The routed experts' GEMMs against their floor"),
                         ("table", "Block kinds at other microbatch sizes")):
