@@ -237,7 +237,8 @@ class Trainer:
             n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb,
             seq_len=cfg.training.seq_len // layout.cp,  # this rank's tokens of each sequence
             images=images, patch_size=self.vision.patch_size if self.vision is not None else 14)
-        return PipelineRunner(schedule, stages, [m for _, m in modules], images)
+        return PipelineRunner(schedule, stages, [m for _, m in modules], images,
+                              prefetch_weights=cfg.parallelism.pipeline_prefetch_weights)
 
     def _image_slots(self):
         """Per-sample image slots of a pipelined image-text run: the largest sample of its datasets."""

@@ -150,6 +150,12 @@ class Parallelism:
     expert_parallel_degree: int = option(
         1, "expert parallelism for the MoE experts (borrows from data_parallel_shard * context_parallel)",
         bounds=at_least(1))
+    pipeline_prefetch_weights: bool = option(
+        False, "pipeline parallelism with FSDP: from the second step on, start gathering every FSDP unit of this "
+        "rank's stages when the step begins (asynchronously, in forward order) rather than in the first "
+        "microbatch's forward, so that a stage gathers while it waits for its first input (the step-time estimate "
+        "counts the gathers hidden behind that wait); needs the gathered weights kept for the step "
+        "(fsdp_reshard_after_forward default or never)")
     fsdp_reshard_after_forward: str = option(
         "default", "free gathered parameters after forward: default = yes without pipeline parallelism, no with "
         "it (each microbatch would gather the stage's weights again); the output head always keeps them",

@@ -26,7 +26,8 @@ def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range
     compute = DTYPES[cfg.training.param_dtype] if cfg.training.mixed_precision else DTYPES[cfg.model.dtype]
     keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=layout.pp > 1)
     held = rank_bytes(counts, fsdp=layout.fsdp, efsdp=layout.efsdp, weight_bytes=compute.itemsize,
-                      state_bytes=DTYPES[cfg.optimizer.state_dtype].itemsize, keep_gathered=keep)
+                      state_bytes=DTYPES[cfg.optimizer.state_dtype].itemsize, keep_gathered=keep,
+                      reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize)
     total = counts.dense + counts.dense_frozen + counts.experts + counts.experts_frozen
     return int(total / layout.fsdp + counts.fp32 + counts.fp32_frozen), held
 

@@ -66,9 +66,11 @@ class RankBytes:
 
 
 def rank_bytes(p: StageParams, *, fsdp: int, efsdp: int, weight_bytes: int, state_bytes: int,
-               keep_gathered: bool) -> RankBytes:
+               keep_gathered: bool, reduce_bytes: int | None = None) -> RankBytes:
     """``keep_gathered``: every gathered unit stays until the step's end (pipeline parallelism without
-    ``reshard_after_forward``), with its unsharded gradients; else two units are in flight (one computing, one
+    ``reshard_after_forward``), with its unsharded gradients, which FSDP2 accumulates over the microbatches in
+    the reduce dtype (``reduce_bytes``, default the weights'; fp32 gradients of bf16 weights take twice their
+    bytes: ``FSDPParam.to_accumulated_grad_if_needed``); else two units are in flight (one computing, one
     prefetched) and gradients are reduce-scattered as they come."""
     dense, dense_all = p.dense / fsdp, (p.dense + p.dense_frozen) / fsdp
     experts, experts_all = (p.experts / fsdp), (p.experts + p.experts_frozen) / fsdp
@@ -77,10 +79,11 @@ def rank_bytes(p: StageParams, *, fsdp: int, efsdp: int, weight_bytes: int, stat
     if fsdp == 1:
         return RankBytes(shards, 0.0, 0.0)
     if keep_gathered:
+        grad_bytes = max(weight_bytes, reduce_bytes or weight_bytes)
         gathered = sum(p.units) * weight_bytes
-        grads = gathered * p.dense / max(1, p.dense + p.dense_frozen)
+        grads = sum(p.units) * grad_bytes * p.dense / max(1, p.dense + p.dense_frozen)
         if efsdp > 1:  # the local experts are gathered over efsdp as well
             gathered += experts_all * efsdp * weight_bytes
-            grads += experts * efsdp * weight_bytes
+            grads += experts * efsdp * grad_bytes
         return RankBytes(shards, gathered, grads)
     return RankBytes(shards, sum(sorted(p.units)[-2:]) * weight_bytes, 0.0)

@@ -132,7 +132,7 @@ def build_rank_slice(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, tokeniz
     bytes_ = RankBytes(0.0, 0.0, 0.0)
     for c in counted:
         b = rank_bytes(c, fsdp=layout.fsdp, efsdp=layout.efsdp, weight_bytes=weight, state_bytes=state,
-                       keep_gathered=keep)
+                       keep_gathered=keep, reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize)
         bytes_ = RankBytes(bytes_.shards + b.shards, bytes_.gathered + b.gathered,
                            bytes_.gathered_grads + b.gathered_grads)
     out = RankSlice(stages, dropped, load if layout.ep > 1 else None, dispatches, bytes_,

@@ -18,19 +18,19 @@ def settings_from_config(cfg) -> Settings:
                     st.memory_gib)
 
 
-def short(layout: ParallelLayout) -> str:
-    """``pp 8 1F1B x dp_shard 32 x cp 1, ep 32, mb 1``."""
-    plan = layout.pipeline
+def short(e: StepEstimate) -> str:
+    """``pp 8 1F1B x dp_shard 32 x cp 1, ep 32, microbatch 1[, FSDP settings]``."""
+    layout, plan = e.layout, e.layout.pipeline
     pipe = f"pp {layout.pp} {plan.schedule}" if plan is not None else "pp 1"
     return (f"{pipe} x dp_shard {layout.dp_shard} x cp {layout.cp}, ep {layout.ep}, microbatch "
-            f"{layout.microbatch_size if plan is not None else '-'}")
+            f"{layout.microbatch_size if plan is not None else '-'}" + (f", {e.fsdp}" if e.fsdp else ""))
 
 
 def line(e: StepEstimate, limit: float) -> str:
     memory = "memory unknown" if e.memory_gib is None else (
         f"{e.memory_gib:.1f} GiB{'' if e.memory_gib <= limit else f' (over {limit:g})'}")
     terms = ", ".join(f"{k} {v:.3g}" for k, v in e.terms.items() if v >= 0.005 * e.step_s)
-    return (f"{short(e.layout)}: step {e.step_s:.3g} s, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU "
+    return (f"{short(e)}: step {e.step_s:.3g} s, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU "
             f"{e.mfu:.1%}, {memory}; dominant {e.dominant} ({e.terms[e.dominant]:.3g} s) [{terms} s]")
 
 
@@ -71,7 +71,7 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
         if fit:
             best = fit[0]
             gain = best.tokens_per_s_per_gpu / probe.tokens_per_s_per_gpu - 1
-            lines.append(f"recommended for {gpus} GPUs: {short(best.layout)} ({best.tokens_per_s_per_gpu:,.0f} "
+            lines.append(f"recommended for {gpus} GPUs: {short(best)} ({best.tokens_per_s_per_gpu:,.0f} "
                          f"tokens/s/GPU, MFU {best.mfu:.1%}"
                          + (f", {gain:+.0%} against the configured layout)" if gpus == layout.world_size else ")"))
         else:

@@ -59,6 +59,7 @@ class StepEstimate:
     memory_gib: float | None  # the fullest rank's
     memory_note: str
     compute_source: str  # "measured (<table>)" or the fallback's description
+    fsdp: str = ""  # how FSDP handles the gathered weights when it is not the default
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -232,9 +233,9 @@ class StepTimeModel:
         ranges = plan.ranges if plan is not None else ((0, a.n_layers),)
         keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=plan is not None)
         wbytes = self.dtype.itemsize
-        reduce_bytes = DTYPES[t.reduce_dtype].itemsize if t.mixed_precision else 4
+        reduce_bytes = DTYPES[t.reduce_dtype].itemsize  # parallelize passes reduce_dtype with or without mixed precision
         times, first_forward, transfer, notes = {}, {}, {}, []
-        ep_per_stage, comm_f, comm_b, fsdp_end, fsdp_micro = {}, {}, {}, {}, {}
+        ep_per_stage, comm_f, comm_b, fsdp_end, fsdp_micro, gathers, layer_forward = {}, {}, {}, {}, {}, {}, {}
         counts = {s: self.stage_counts(r) for s, r in enumerate(ranges)}
         for s, work in works.items():
             f, i, w, missing = self._times(work, tokens, layout.cp, layout.ep)
@@ -244,6 +245,7 @@ class StepTimeModel:
             gather, scatter = self._fsdp_units(layout, counts[s], len(work.layers), wbytes, reduce_bytes)
             layer_f, layer_b = f / max(1, len(gather)), (i + w) / max(1, len(gather))
             exposed_ag = _exposed(gather, layer_f)
+            gathers[s], layer_forward[s] = gather, layer_f
             if keep:  # gathered in the first microbatch's forward; reduce-scattered after the last backward
                 first_forward[s], fsdp_end[s], fsdp_micro[s] = exposed_ag, sum(scatter), (0.0, 0.0)
             else:  # every microbatch: gather in the forward, gather again and reduce-scatter in the backward
@@ -260,8 +262,12 @@ class StepTimeModel:
         split = uses_split_backward(plan_used.schedule)
         if not split:
             times = {s: StageTimes(v.forward, v.backward_input + v.backward_weight, 0.0) for s, v in times.items()}
-        timeline = simulate(plan_used, n_micro, times, transfer, first_forward)
         bare = simulate(plan_used, n_micro, times)  # the schedule alone: its bubble
+        if keep and cfg.parallelism.pipeline_prefetch_weights:
+            # every gather issued at the step's start: only what the wait for the first input cannot hide
+            arrived = simulate(plan_used, n_micro, times, transfer).first_forward_start
+            first_forward = {s: _exposed_after(gathers[s], layer_forward[s], arrived.get(s, 0.0)) for s in times}
+        timeline = simulate(plan_used, n_micro, times, transfer, first_forward)
         gathered = simulate(plan_used, n_micro, times, first_forward=first_forward)  # + the first gathers' delays
         # the step ends on the rank that finishes last: its timeline, its reduce-scatter, its optimizer step
         ends = {}
@@ -296,8 +302,13 @@ class StepTimeModel:
         source = (f"measured ({self.s.table.path.name}, {self.s.table.hardware})" if not notes else
                   f"FLOP-rate fallback at {self.s.fallback_mfu:.0%} of peak for {sorted(set(notes))} "
                   f"({self.s.table.missing or 'not in the table'}): not measured")
+        p = cfg.parallelism
+        fsdp = ", ".join(x for x in (f"reshard_after_forward {p.fsdp_reshard_after_forward}"
+                                     if p.fsdp_reshard_after_forward != "default" else "",
+                                     "weights prefetched" if p.pipeline_prefetch_weights else "") if x)
         return StepEstimate(layout, step, terms, step_tokens / step / layout.world_size,
-                            step_flops / step / layout.world_size / self.s.peak_flops, memory, memory_note, source)
+                            step_flops / step / layout.world_size / self.s.peak_flops, memory, memory_note, source,
+                            fsdp)
 
     def _fsdp_units(self, layout: ParallelLayout, c: StageParams, layers: int, wbytes: int,
                     reduce_bytes: int) -> tuple[list[float], list[float]]:
@@ -335,7 +346,8 @@ class StepTimeModel:
         for r in range(plan.pp):
             stages = plan.stages_of_rank(r)
             held = sum(rank_bytes(counts[s], fsdp=layout.fsdp, efsdp=layout.efsdp, weight_bytes=self.dtype.itemsize,
-                                  state_bytes=state, keep_gathered=keep).total for s in stages)
+                                  state_bytes=state, keep_gathered=keep,
+                                  reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize).total for s in stages)
             flight = peak_in_flight(orders[r]) if plan.pp > 1 else {stages[0]: 1}
             acts = 0.0
             for s in stages:
@@ -362,6 +374,16 @@ class StepTimeModel:
                  for rows in self.s.table.raw(self.geometry, "layers").values() for r in rows
                  if r.get("peak_gib") is not None and r.get("tokens") and r.get("ac") == self.ac]
         return max(peaks) if peaks else None
+
+
+def _exposed_after(gathers: list[float], layer_compute: float, wait: float) -> float:
+    """The gathers all issued at time 0, back to back; unit i computes once they are done and not before the
+    stage's input arrived (``wait``) plus i layers of compute: how much later the stage's first forward ends."""
+    done, worst = 0.0, 0.0
+    for i, g in enumerate(gathers):
+        done += g
+        worst = max(worst, done - (wait + i * layer_compute))
+    return worst
 
 
 def _exposed(gathers: list[float], layer_compute: float) -> float:

@@ -14,6 +14,7 @@ the previous stage's forward of that microbatch plus the transfer, a backward af
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from titan_kimi.parallel.pipeline_plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelinePlan
@@ -76,8 +77,10 @@ def _torch_order(plan: PipelinePlan, n: int) -> dict[int, list[Action]]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def rank_orders(plan: PipelinePlan, n_microbatches: int) -> dict[int, list[Action]]:
-    """Every pipeline rank's compute actions in the order its schedule runs them."""
+    """Every pipeline rank's compute actions in the order its schedule runs them (cached: callers must not
+    change the lists)."""
     if plan.schedule in SINGLE_STAGE_SCHEDULES:
         return {r: _single_stage_order(plan.schedule, r, plan.num_stages, n_microbatches) for r in range(plan.pp)}
     return _torch_order(plan, n_microbatches)
@@ -116,6 +119,7 @@ class Timeline:
     end: dict[int, float]  # per rank: when its last action ends
     busy: dict[int, float]  # per rank: seconds computing
     makespan: float
+    first_forward_start: dict[int, float]  # per stage: when its first microbatch's forward starts
 
     def idle(self, rank: int) -> float:
         """The rank's bubble: seconds of the pipeline's span it does not compute."""
@@ -135,6 +139,7 @@ def simulate(plan: PipelinePlan, n_microbatches: int, times: dict[int, StageTime
     clock = {r: 0.0 for r in orders}
     busy = {r: 0.0 for r in orders}
     pos = {r: 0 for r in orders}
+    first_start: dict[int, float] = {}
 
     def ready(a: Action) -> float | None:
         def after(dep: Action) -> float | None:
@@ -167,6 +172,7 @@ def simulate(plan: PipelinePlan, n_microbatches: int, times: dict[int, StageTime
                 cost = times[a.stage].of(a.kind)
                 if a.kind == FORWARD and a.microbatch == 0:
                     cost += first_forward.get(a.stage, 0.0)
+                    first_start[a.stage] = begin
                 clock[r] = begin + cost
                 busy[r] += cost
                 done[a] = clock[r]
@@ -178,7 +184,7 @@ def simulate(plan: PipelinePlan, n_microbatches: int, times: dict[int, StageTime
         if not progressed:
             stuck = {r: o[pos[r]] for r, o in orders.items() if pos[r] < len(o)}
             raise RuntimeError(f"{plan.schedule}: the simulated schedule cannot progress at {stuck}")
-    return Timeline(dict(clock), busy, max(clock.values()))
+    return Timeline(dict(clock), busy, max(clock.values()), first_start)
 
 
 def uses_split_backward(schedule: str) -> bool:

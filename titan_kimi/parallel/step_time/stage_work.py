@@ -40,6 +40,12 @@ def _meta_block(args_key: tuple, layer: int) -> KimiK3Block:
     return block
 
 
+@functools.lru_cache(maxsize=4096)
+def _layer_flops(args_key: tuple, layer: int, segments: tuple[int, ...], routed_rows: int, dsa_dense: bool) -> LayerFlops:
+    args = KimiK3ModelArgs(**dict(args_key))
+    return block_flops(_meta_block(args_key, layer), args, segments, routed_rows=routed_rows, dsa_dense=dsa_dense)
+
+
 def _args_key(args: KimiK3ModelArgs) -> tuple:
     return tuple((f, getattr(args, f)) for f in args.__dataclass_fields__)
 
@@ -75,11 +81,9 @@ def stage_work(args: KimiK3ModelArgs, stage: int, layer_range: tuple[int, int], 
     stage's images."""
     first, last = layer_range
     key = _args_key(args)
-    layers = []
-    for layer in range(first, last):
-        block = _meta_block(key, _representative(args, layer))
-        flops = block_flops(block, args, segments, routed_rows=routed_rows, dsa_dense=dsa_dense)
-        layers.append((layer, layer_kind(args, layer, dsa_dense), flops))
+    layers = [(layer, layer_kind(args, layer, dsa_dense),
+               _layer_flops(key, _representative(args, layer), tuple(segments), routed_rows, dsa_dense))
+              for layer in range(first, last)]
     image = ZERO
     if vision is not None and first == 0 and grids:
         fwd = vision_flops(vision, args.dim, grids, tower_trained=False, projector_trained=False)
