@@ -90,7 +90,7 @@ class RankSliceBench:
                  f"{' = the busiest by model FLOPs' if opts.stage < 0 else ''}) on {self.device}")
         self.slice = build_rank_slice(cfg, args, self.layout, self.tokenizer, pp_rank=self.pp_rank,
                                       load=self.loads[0] if self.loads else None, device=self.device,
-                                      max_layers=opts.max_layers, allocate_states="stage" in opts.parts)
+                                      max_layers=opts.max_layers)
         self.mbs = {index: make_microbatch(stage.part, self.rows_layout, self.rows, t.seq_len, self.device,
                                            self.dtype, self.gen) for index, stage in self.slice.stages}
         first = next(iter(self.mbs.values()))
@@ -232,15 +232,35 @@ class RankSliceBench:
         torch._dynamo.reset()
 
     def run_stage(self) -> None:
-        run = run_schedule(self.slice, self.mbs, self.layout.pipeline, self.pp_rank, self.n_microbatches,
-                           steps=self.opts.steps, generator=self.gen, device=self.device, forward=self._forward)
+        """The rank's schedule with what training holds beside the built weights allocated: the measured fit.
+        When that runs out of memory, it is recorded and the schedule runs again without the buffer (for its
+        times)."""
+        fits = "yes"
+        try:
+            self.slice.allocate_states(self.device)
+            run = self._schedule()
+        except torch.OutOfMemoryError as err:
+            self.slice.free_states()
+            self.free_cached()
+            fits = f"no: out of memory with {self.slice.missing_bytes / 2**30:.1f} GiB allocated beside ({str(err)[:300]})"
+            self.log(f"schedule: {fits}; timing it again without the buffer")
+            run = self._schedule()
+        finally:
+            self.slice.free_states()
+        self._report_schedule(run, fits)
+
+    def _schedule(self):
+        return run_schedule(self.slice, self.mbs, self.layout.pipeline, self.pp_rank, self.n_microbatches,
+                            steps=self.opts.steps, generator=self.gen, device=self.device, forward=self._forward)
+
+    def _report_schedule(self, run, fits: str) -> None:
         flops = {i: self.work[i].total for i, _ in self.slice.stages}
         built = {i: len(s.part.layers) for i, s in self.slice.stages}
         self.report["schedule"] = {
             "forward_ms": run.forward_ms, "backward_ms": run.backward_ms, "step_ms": run.step_ms,
             "peak_gib": run.peak_gib, "in_flight": run.in_flight, "built_layers": built,
             "dropped_layers": self.slice.dropped,
-            "allocated_states_gib": self.slice.missing_bytes / 2**30,
+            "allocated_states_gib": self.slice.missing_bytes / 2**30, "fits": fits,
             "model_flops": {i: {"forward": f.forward, "backward": f.backward} for i, f in flops.items()},
         }
         self.log(f"schedule: step {run.step_ms:.0f} ms, peak {run.peak_gib} GiB, F {run.forward_ms} B {run.backward_ms}")

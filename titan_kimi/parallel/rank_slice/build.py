@@ -4,8 +4,8 @@ checkpointing and compile (the trainer's own helpers), each stage wrapped as the
 (``PipelineStageModule``: the last stage applies the trainer's loss).
 
 Nothing is sharded: the dense weights are whole, as FSDP gathers them under pipeline parallelism for the whole
-step; what FSDP and Adam would keep besides (the shards, their gradients and moments) can be allocated as one
-buffer (``state_bytes``) so that a measured peak holds it.
+step; what training holds besides (the shards, their gradients and moments, the accumulated gradients' wider
+dtype, layers not built) can be allocated as one buffer (``allocate_states``) so that a measured peak holds it.
 """
 
 from __future__ import annotations
@@ -68,6 +68,13 @@ class RankSlice:
             d.set_load(load)
         self.load = load
 
+    def allocate_states(self, device: torch.device) -> None:
+        """Allocate ``missing_bytes`` as one buffer, so that a measured peak holds what training holds."""
+        self.buffers.append(torch.empty(int(self.missing_bytes), dtype=torch.uint8, device=device))
+
+    def free_states(self) -> None:
+        self.buffers.clear()
+
     @property
     def held_bytes(self) -> int:
         """Bytes of the built weights and (once computed) their gradients."""
@@ -101,11 +108,10 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def build_rank_slice(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, tokenizer, *, pp_rank: int,
-                     load: ExpertLoad | None, device: torch.device, max_layers: int = 0,
-                     allocate_states: bool = False) -> RankSlice:
+                     load: ExpertLoad | None, device: torch.device, max_layers: int = 0) -> RankSlice:
     """The stages of ``pp_rank`` on ``device``. ``load``: the rows one EP rank's local experts receive (None
     without expert parallelism: every expert is local). ``max_layers`` > 0 builds at most that many layers per
-    stage (the first ones). ``allocate_states``: allocate the FSDP shards and Adam moments as one buffer."""
+    stage (the first ones)."""
     dtype = compute_dtype(cfg)
     stages, dropped, counted, dispatches = [], {}, [], []
     for index, layer_range in stages_of(layout, args, pp_rank):
@@ -135,8 +141,5 @@ def build_rank_slice(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, tokeniz
                        keep_gathered=keep, reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize)
         bytes_ = RankBytes(bytes_.shards + b.shards, bytes_.gathered + b.gathered,
                            bytes_.gathered_grads + b.gathered_grads)
-    out = RankSlice(stages, dropped, load if layout.ep > 1 else None, dispatches, bytes_,
-                    layout.pipeline.num_stages if layout.pipeline is not None else 1)
-    if allocate_states:
-        out.buffers.append(torch.empty(int(out.missing_bytes), dtype=torch.uint8, device=device))
-    return out
+    return RankSlice(stages, dropped, load if layout.ep > 1 else None, dispatches, bytes_,
+                     layout.pipeline.num_stages if layout.pipeline is not None else 1)

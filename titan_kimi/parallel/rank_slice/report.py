@@ -63,7 +63,8 @@ def markdown_report(report: dict) -> str:
                             if sched["dropped_layers"] else ""))
         lines += [f"- step span {sched['step_ms']:.0f} ms; microbatches in flight {sched['in_flight']}",
                   f"- peak memory {_num(sched['peak_gib'])} GiB, with {sched['allocated_states_gib']:.1f} GiB allocated "
-                  "for the FSDP shards and Adam moments (and any layers not built)"]
+                  "beside the built weights for what training holds besides them (FSDP shards, Adam moments, the "
+                  "fp32 accumulated gradients, layers not built); fits: " + sched.get("fits", "?")]
     return "\n".join(lines) + "\n"
 
 
