@@ -106,3 +106,12 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     # stage 0's kinds were measured; stage 1's block start and head were not: those fall back, named
     assert "'head/head'" in lines[0] and "'layers/kda+moe, block start'" in lines[0]
     assert "'layers/kda+moe'" not in lines[0] and "'layers/dsa+moe'" not in lines[0]
+    # the skewed load: the table's zipf:0.5 MoE rates, and the busiest rank's extra rows in FLOPs and all-to-alls
+    from titan_kimi.parallel.step_time.describe import settings_from_config
+    from titan_kimi.parallel.step_time.estimate import StepTimeModel
+
+    cfg.step_time.expert_load = "skewed"
+    assert "expert load skewed" in describe_step_time(cfg, args, layout, vision)[0]
+    factor, load = StepTimeModel(cfg, args, vision, settings_from_config(cfg)).load_factor(layout.ep)
+    assert load == "zipf:0.5" and factor > 1
+    assert factor == pytest.approx(parse_load("zipf:0.5", 64, 2, 8, 2).rank_factor, rel=0.05)  # up to rounding

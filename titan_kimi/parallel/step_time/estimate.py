@@ -17,7 +17,7 @@ What runs where (torchtitan 0.2.2 + torch.distributed.pipelining as this project
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
@@ -25,6 +25,7 @@ from titan_kimi.models.kimi_k3.layer_flops import LayerFlops, row_segments
 from titan_kimi.parallel.fsdp import reshard_after_forward
 from titan_kimi.parallel.layout import ParallelLayout
 from titan_kimi.parallel.pipeline_plan import PipelinePlan
+from titan_kimi.parallel.rank_slice.build import compute_dtype
 from titan_kimi.parallel.rank_slice.microbatch import DEFAULT_ROWS, doc_ids_for, image_grid, parse_rows
 from titan_kimi.parallel.stage_params import StageParams, count_stage_params, rank_bytes
 from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
@@ -60,7 +61,6 @@ class StepEstimate:
     memory_note: str
     compute_source: str  # "measured (<table>)" or the fallback's description
     fsdp: str = ""  # how FSDP handles the gathered weights when it is not the default
-    notes: list[str] = field(default_factory=list)
 
     @property
     def dominant(self) -> str:
@@ -88,7 +88,7 @@ class StepTimeModel:
         except ValueError as err:
             raise ValueError(f"step_time.rows = {cfg.step_time.rows!r} (row layout {spec!r}): {err}; set "
                              "step_time.rows to a layout that fits training.seq_len") from None
-        self.dtype = DTYPES[cfg.training.param_dtype] if cfg.training.mixed_precision else DTYPES[cfg.model.dtype]
+        self.dtype = compute_dtype(cfg)
 
     def with_config(self, cfg) -> "StepTimeModel":
         """The same recipe under another layout's config (the parameter counts are shared)."""
@@ -131,7 +131,7 @@ class StepTimeModel:
         name = sorted(loads)[0]
         from titan_kimi.parallel.rank_slice.expert_load import parse_load
 
-        a = self.args
+        a = self.args  # the factor does not depend on the tokens (beyond rounding): any microbatch will do
         return parse_load(name, 4096, a.num_experts_per_tok, a.num_experts, ep).rank_factor, name
 
     def works(self, layout: ParallelLayout, rows: int) -> dict[int, StageWork]:
