@@ -106,12 +106,13 @@ def test_dry_run_estimates_the_step_and_recommends_a_layout(capsys):
     assert "pp 2 1F1B x dp_shard 4 x cp 1, ep 2, microbatch 1" in configured and "dominant" in configured
     assert any(line.startswith("# step time with Interleaved1F1B: not a valid layout") for line in lines)
     for gpus in (8, 16):
-        listed = [line for line in lines if line.startswith("#   ")]
+        listed = [line for line in lines if line.startswith("#     ")]
         assert listed
         best = next(line for line in lines if line.startswith(f"# recommended for {gpus} GPUs: "))
         assert "tokens/s/GPU" in best
     # the fastest listed layout of 8 GPUs is the recommended one, and nothing listed is slower than what follows
-    block = lines[next(i for i, line in enumerate(lines) if line.startswith("# 8 GPUs: ")) + 1:]
+    assert "# 16 GPUs at a global batch of 32 sequences (step_time.sweep_batch = per_gpu):" in lines
+    block = lines[next(i for i, line in enumerate(lines) if line.startswith("# 8 GPUs at a global batch of 16")) + 2:]
     speeds = [float(line.split(" tokens/s/GPU")[0].rsplit(" ", 1)[1].replace(",", "")) for line in block[:2]]
     assert speeds == sorted(speeds, reverse=True)
     out = run_main(capsys, *STEP_TIME, "--step_time.memory_gib", "1e-9")

@@ -338,6 +338,10 @@ class StepTime:
         [], "job.estimate_step_time: GPU counts whose layouts are swept for the fastest that fits in "
         "step_time.memory_gib (at the recipe's global batch and sequence length); [] = the job's world size",
         bounds=at_least(1))
+    sweep_batch: str = option(
+        "per_gpu", "job.estimate_step_time: the global batch of a swept GPU count: per_gpu = the recipe's sequences "
+        "per GPU (the global batch grows with the GPUs), recipe = the recipe's global batch at every count",
+        choices=("per_gpu", "recipe"))
     memory_gib: float = option(
         140.0, "job.estimate_step_time: memory per GPU a swept layout must fit in, GiB (H200: 140)",
         bounds=above(0))

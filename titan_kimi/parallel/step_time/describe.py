@@ -4,6 +4,9 @@ recommended one."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.step_time.comm import Network
 from titan_kimi.parallel.step_time.estimate import Settings, StepEstimate, StepTimeModel
@@ -60,14 +63,23 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
                 lines.append(f"step time with {schedule}: not a valid layout ({str(err).split(';')[0]})")
                 continue
             lines.append(f"step time with {schedule}: {line(model.with_config(c).estimate(other), s.memory_gib)}")
+    t = cfg.training
+    recipe_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * layout.dp
     for gpus in cfg.step_time.gpu_counts or [layout.world_size]:
-        estimates, rejected = sweep(model, gpus)
+        batch = recipe_batch
+        if cfg.step_time.sweep_batch == "per_gpu" and gpus != layout.world_size:
+            batch = recipe_batch * gpus // layout.world_size
+        swept = copy.copy(cfg)
+        swept.training = dataclasses.replace(t, global_batch_size=batch)
+        lines.append(f"{gpus} GPUs at a global batch of {batch} sequences (step_time.sweep_batch = "
+                     f"{cfg.step_time.sweep_batch}):")
+        estimates, rejected = sweep(model.with_config(swept), gpus)
         fit = [e for e in estimates if fits(e, s.memory_gib)]
         unknown = sum(e.memory_gib is None for e in estimates)
-        lines.append(f"{gpus} GPUs: {len(estimates)} valid layouts ({rejected} rejected by the layout checks), "
+        lines.append(f"  {len(estimates)} valid layouts ({rejected} rejected by the layout checks), "
                      f"{len(fit)} within {s.memory_gib:g} GiB" + (f", {unknown} of unknown memory" if unknown else "")
                      + "; the fastest:")
-        lines += [f"  {line(e, s.memory_gib)}" for e in fit[:cfg.step_time.top]]
+        lines += [f"    {line(e, s.memory_gib)}" for e in fit[:cfg.step_time.top]]
         if fit:
             best = fit[0]
             gain = best.tokens_per_s_per_gpu / probe.tokens_per_s_per_gpu - 1

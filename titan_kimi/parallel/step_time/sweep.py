@@ -54,12 +54,15 @@ def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int,
     return out
 
 
-def candidates(cfg, args, world_size: int) -> tuple[list[Candidate], int]:
+def candidates(cfg, args, world_size: int, *, image_text: bool = False) -> tuple[list[Candidate], int]:
     """The valid layouts of ``world_size`` GPUs, and how many were rejected by the trainer's checks."""
     found, rejected, seen = [], 0, set()
     experts = sorted({*EXPERT_DEGREES, cfg.parallelism.expert_parallel_degree})
+    # the trainer refuses context parallelism for an image-text model when it builds (Trainer's check of unbuilt
+    # combinations), after the config and layout checks
+    contexts = (1,) if image_text else CONTEXT_DEGREES
     for pp in PIPELINE_DEGREES:
-        for cp in CONTEXT_DEGREES:
+        for cp in contexts:
             for ep in experts:
                 for mb, schedule, fsdp in _pipelines(cfg, pp):
                     c = variant(cfg, world_size, pp=pp, cp=cp, ep=ep, microbatch=mb, schedule=schedule, fsdp=fsdp)
@@ -93,7 +96,7 @@ def _pipelines(cfg, pp: int) -> list[tuple[int, str, tuple[str, bool]]]:
 
 def sweep(model: StepTimeModel, world_size: int) -> tuple[list[StepEstimate], int]:
     """Every valid layout of ``world_size`` GPUs estimated, fastest first; and the count rejected."""
-    found, rejected = candidates(model.cfg, model.args, world_size)
+    found, rejected = candidates(model.cfg, model.args, world_size, image_text=model.vision is not None)
     estimates = []
     for c in found:
         estimates.append(model.with_config(c.cfg).estimate(c.layout))
