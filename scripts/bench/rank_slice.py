@@ -53,7 +53,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", required=True, help="the recipe (a TOML under train_configs/ or a path)")
     parser.add_argument("--world-size", type=int, required=True, help="GPUs of the layout (job.world_size)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
-    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="what to run")
+    parser.add_argument("--parts", nargs="*", default=list(PARTS), choices=PARTS,
+                        help="what to run (none: only the --variants)")
     parser.add_argument("--stage", type=int, default=-1, help="pipeline stage to build; -1 = the busiest")
     parser.add_argument("--loads", nargs="+", default=["balanced", "zipf:0.3"],
                         help="expert loads of the MoE entries: balanced, zipf:<exponent>, file:<counts.json>")
@@ -79,6 +80,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     bad = [o for o in overrides if o.startswith("--") and "." not in o]
     if bad:
         parser.error(f"unknown options {bad}; config overrides look like --section.key value")
+    if not opts.parts and not opts.variants:
+        parser.error("--parts is empty and there are no --variants: nothing to run")
     if opts.warmup < 0 or opts.repeats < 1 or opts.steps < 1 or opts.max_layers < 0:
         parser.error("--warmup >= 0, --repeats >= 1, --steps >= 1 and --max-layers >= 0")
     for v in opts.variants:
@@ -136,8 +139,8 @@ def main(argv: list[str]) -> int:
     fla_dir = prepare_fla_dir(opts.out) if "tune_fla" in opts.parts else None
     from titan_kimi.parallel.rank_slice.bench import RankSliceBench
 
-    bench = RankSliceBench(opts, overrides, log)
-    report = bench.report
+    bench = RankSliceBench(opts, overrides, log) if opts.parts else None
+    report = bench.report if bench is not None else {}
     for part in [p for p in PARTS if p in opts.parts]:
         log(f"part {part}")
         start = time.perf_counter()
@@ -172,7 +175,8 @@ def run_variants(bench, opts, overrides: list[str]) -> None:
     from titan_kimi.parallel.rank_slice.bench import RankSliceBench
     from titan_kimi.parallel.rank_slice.report import variants_report
 
-    bench.release()
+    if bench is not None:
+        bench.release()
     reports = {}
     for spec in opts.variants:
         name, _, extra = spec.partition("=")
