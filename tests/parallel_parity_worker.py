@@ -50,6 +50,10 @@ LAYOUTS = {
                 "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
     "pp2_ep2_fsdp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
                       "--training.local_batch_size", "2", "--training.global_batch_size", "4"],
+    # every FSDP unit gathered when the step begins (from the second step on): the same gradients
+    "pp2_ep2_fsdp2_prefetch": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree",
+                               "2", "--training.local_batch_size", "2", "--training.global_batch_size", "4",
+                               "--parallelism.pipeline_prefetch_weights", "true"],
     "pp2_interleaved_zb": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
                            "--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"],
     "pp2_looped_bfs": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
@@ -70,6 +74,8 @@ LAYOUTS = {
                                  "--training.global_batch_size", "4", "--compile.mode", "default",
                                  "--compile.granularity", "module"],
 }
+# Layouts whose feature starts at the second step: one warm step on the same batch first (no optimizer step).
+WARM_STEP = ("pp2_ep2_fsdp2_prefetch",)
 # The image-text recipe in fp32 (pipeline x FSDP over the 4 ranks): the tower and projector on the first stage;
 # with LoRA, adapters on the tower and projector too.
 VL = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
@@ -189,10 +195,13 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     data = iter(trainer.dataloader)
     host = [trainer._local(next(data)) for _ in range(trainer.accum_steps)]
     normalizer = trainer._global_valid_tokens(host)
-    loss = torch.zeros((), device=device)
-    for batch in host:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        loss += trainer._micro_step(batch, normalizer, backward=True)
+    for run in range(2 if name in WARM_STEP else 1):  # the compared gradients: the last run's
+        for part in trainer.model_parts:
+            part.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=device)
+        for batch in host:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss += trainer._micro_step(batch, normalizer, backward=True)
     trainer.replicated.sync()
     dist.all_reduce(loss)
     worst, count = 0.0, 0

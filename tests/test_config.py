@@ -48,7 +48,7 @@ def test_defaults_load_and_match_declarations():
     cfg = load()
     assert list(to_dict(cfg)) == ["job", "model", "training", "optimizer", "lr_scheduler", "parallelism",
                                   "checkpoint", "activation_checkpoint", "compile", "kernels", "data",
-                                  "metrics", "validation", "profiling", "lora"]
+                                  "metrics", "validation", "profiling", "lora", "step_time"]
     assert cfg.job.dump_folder == "./outputs" and cfg.job.seed == 1234 and cfg.job.world_size == 0
     assert cfg.model.name == "kimi_k3" and cfg.model.flavor == "k31_debug" and cfg.model.dtype == "bfloat16"
     assert cfg.training.loss_chunk_size == 512 and cfg.training.global_batch_size == -1

@@ -43,7 +43,8 @@ def train(folder: Path, *overrides: str, nproc: int = 0) -> list[float]:
 
 @pytest.mark.slow
 def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
-    """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2, selective AC + compile under PP2 x EP2,
+    """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2 (also with its weights prefetched at the step's start),
+    selective AC + compile under PP2 x EP2,
     full AC under EP2, per-module compile under PP2 x FSDP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
     LoRA and with LoRA under ZBVZeroBubble (adapter files byte-equal to one process's): one step's gradients on 4 ranks.
     PP2 x EP2 x FSDP2 (text) and the image-text LoRA layouts also export their stages as one HF checkpoint, equal to
@@ -55,7 +56,8 @@ def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
     export_hf_checkpoint(model, hf, dtype=torch.float32)
     out = launch(["tests/parallel_parity_worker.py", "--hf", str(hf)], nproc=4)
     results = dict(re.findall(r"PARITY (\S+) (grad_rel \S+ loss_rel \S+ params \d+)", out))
-    assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2", "pp2_interleaved_zb",
+    assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2",
+                            "pp2_ep2_fsdp2_prefetch", "pp2_interleaved_zb",
                             "pp2_looped_bfs", "pp2_dualpipev", "pp2_gpipe", "pp2_ep2_sac_compile", "ep2_full_ac",
                             "pp2_fsdp2_module_compile",
                             "ep2_efsdp2_hf", "pp2_ep2_hf", "vl_pp2_fsdp2", "vl_lora_pp2_fsdp2",

@@ -98,6 +98,12 @@ def dry_run(cfg, args, layout: ParallelLayout) -> None:
         print(f"# lora: rank {cfg.lora.rank}, {trainable} trainable adapter parameters")
     for line in describe_ranks(cfg, args, layout, activations=cfg.job.estimate_activations):
         print(f"# {line}")
+    if cfg.job.estimate_step_time:
+        from titan_kimi.parallel.step_time.describe import describe_step_time
+
+        vision = model.vision_args if isinstance(model, KimiK3VLModel) else None
+        for line in describe_step_time(cfg, args, layout, vision):
+            print(f"# {line}")
     vision = f" vision={counts.total - text.total}" if isinstance(model, KimiK3VLModel) else ""
     print(f"params total={counts.total} active={text.active}{vision}")
 
@@ -231,7 +237,8 @@ class Trainer:
             n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb,
             seq_len=cfg.training.seq_len // layout.cp,  # this rank's tokens of each sequence
             images=images, patch_size=self.vision.patch_size if self.vision is not None else 14)
-        return PipelineRunner(schedule, stages, [m for _, m in modules], images)
+        return PipelineRunner(schedule, stages, [m for _, m in modules], images,
+                              prefetch_weights=cfg.parallelism.pipeline_prefetch_weights)
 
     def _image_slots(self):
         """Per-sample image slots of a pipelined image-text run: the largest sample of its datasets."""

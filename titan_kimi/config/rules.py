@@ -62,6 +62,29 @@ def activation_estimate_is_a_dry_run(cfg: JobConfig, source_of: SourceOf) -> Non
                       "false, or job.dry_run = true as well")
 
 
+def step_time_estimate_is_a_dry_run(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.job.estimate_step_time and not cfg.job.dry_run:
+        raise _reject(cfg, "job.estimate_step_time", source_of, "is computed by a dry run only",
+                      "false, or job.dry_run = true as well")
+    if cfg.step_time.table and not Path(cfg.step_time.table).is_file():
+        raise _reject(cfg, "step_time.table", source_of, "is not an existing file",
+                      "\"\" (the shipped table) or a table written by scripts/bench/rank_slice.py")
+
+
+def weight_prefetch_needs_kept_weights(cfg: JobConfig, source_of: SourceOf) -> None:
+    p = cfg.parallelism
+    if not p.pipeline_prefetch_weights:
+        return
+    if p.pipeline_parallel_degree == 1:
+        raise _reject(cfg, "parallelism.pipeline_prefetch_weights", source_of,
+                      f"prefetches a pipeline stage's weights, but {_other(cfg, 'parallelism.pipeline_parallel_degree', source_of)}",
+                      "false without pipeline parallelism")
+    if p.fsdp_reshard_after_forward == "always":
+        raise _reject(cfg, "parallelism.pipeline_prefetch_weights", source_of,
+                      f"gathers weights that {_other(cfg, 'parallelism.fsdp_reshard_after_forward', source_of)} frees "
+                      "after every forward", "false, or fsdp_reshard_after_forward = default | never")
+
+
 def schedule_fits_in_training(cfg: JobConfig, source_of: SourceOf) -> None:
     steps, sched = cfg.training.steps, cfg.lr_scheduler
     if sched.warmup_steps > steps:
@@ -276,6 +299,8 @@ RULES: tuple[Rule, ...] = (
     medpix_needs_a_vision_tower,
     image_pixel_bounds_are_ordered,
     activation_estimate_is_a_dry_run,
+    step_time_estimate_is_a_dry_run,
+    weight_prefetch_needs_kept_weights,
     schedule_fits_in_training,
     selective_ac_option_is_known,
     compile_has_components,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, make_dataclass
 
 from lowerings.catalog import BACKEND_OPS
 from lowerings.settings import FLA_CONFIG_CHOICES, KernelSettings
-from titan_kimi.config.options import above, at_least, between, option
+from titan_kimi.config.options import Bounds, above, at_least, between, option
 
 DTYPES = ("bfloat16", "float32")
 
@@ -29,6 +29,10 @@ class Job:
     estimate_activations: bool = option(
         False, "with job.dry_run: also measure each pipeline rank's peak activation memory at the configured "
         "shapes (one forward + backward on fake tensors, no memory used; tens of seconds per stage)")
+    estimate_step_time: bool = option(
+        False, "with job.dry_run: also estimate the step time of the layout under each pipeline schedule, and sweep "
+        "the layouts of step_time.gpu_counts for the fastest that fits (measured per-layer times from the "
+        "[step_time] table plus its communication model; docs/step_time_model.md)")
     world_size: int = option(
         0, "number of ranks; 0 = take it from the launcher (WORLD_SIZE)", bounds=at_least(0))
     print_config: bool = option(False, "print the resolved config as TOML at start")
@@ -146,6 +150,12 @@ class Parallelism:
     expert_parallel_degree: int = option(
         1, "expert parallelism for the MoE experts (borrows from data_parallel_shard * context_parallel)",
         bounds=at_least(1))
+    pipeline_prefetch_weights: bool = option(
+        False, "pipeline parallelism with FSDP: from the second step on, start gathering every FSDP unit of this "
+        "rank's stages when the step begins (asynchronously, in forward order) rather than in the first "
+        "microbatch's forward, so that a stage gathers while it waits for its first input (the step-time estimate "
+        "counts the gathers hidden behind that wait); needs the gathered weights kept for the step "
+        "(fsdp_reshard_after_forward default or never)")
     fsdp_reshard_after_forward: str = option(
         "default", "free gathered parameters after forward: default = yes without pipeline parallelism, no with "
         "it (each microbatch would gather the stage's weights again); the output head always keeps them",
@@ -311,6 +321,47 @@ class Lora:
 
 
 @dataclass
+class StepTime:
+    nvlink_gb_per_s: float = option(
+        360.0, "job.estimate_step_time: achieved NVLink bandwidth per GPU and direction inside a node, GB/s (H200 "
+        "NVLink 4: 450 nominal)", bounds=above(0))
+    internode_gb_per_s: float = option(
+        45.0, "job.estimate_step_time: achieved bandwidth between nodes per GPU and direction, GB/s (one 400 Gb/s "
+        "NIC per GPU: 50 nominal)", bounds=above(0))
+    gpus_per_node: int = option(
+        8, "job.estimate_step_time: GPUs per node (ranks of one node talk over NVLink)", bounds=at_least(1))
+    latency_us: float = option(
+        25.0, "job.estimate_step_time: fixed cost of each collective or pipeline transfer, microseconds",
+        bounds=at_least(0))
+    gpu_counts: list[int] = option(
+        [], "job.estimate_step_time: GPU counts whose layouts are swept for the fastest that fits in "
+        "step_time.memory_gib (at the recipe's global batch and sequence length); [] = the job's world size",
+        bounds=at_least(1))
+    sweep_batch: str = option(
+        "per_gpu", "job.estimate_step_time: the global batch of a swept GPU count: per_gpu = the recipe's sequences "
+        "per GPU (the global batch grows with the GPUs), recipe = the recipe's global batch at every count",
+        choices=("per_gpu", "recipe"))
+    memory_gib: float = option(
+        140.0, "job.estimate_step_time: memory per GPU a swept layout must fit in, GiB (H200: 140)",
+        bounds=above(0))
+    expert_load: str = option(
+        "balanced", "job.estimate_step_time: the routed rows of the busiest EP rank: balanced, or skewed (the "
+        "load of the table's skewed MoE measurement)", choices=("balanced", "skewed"))
+    table: str = option(
+        "", "job.estimate_step_time: the measured per-layer table (scripts/bench/rank_slice.py writes it); \"\" = "
+        "the shipped titan_kimi/parallel/step_time_h200.json")
+    rows: str = option(
+        "", "job.estimate_step_time: what a row of training.seq_len holds (its segments decide attention work): "
+        "padded:<valid tokens>, packed:<documents> or medpix:<text tokens>:<H>x<W> (one image); \"\" = the "
+        "dataset's (medpix: one 896x896 image + 128 text tokens; hellaswag: padded:128; packed_text: packed:4)")
+    fallback_mfu: float = option(
+        0.4, "job.estimate_step_time: for layer kinds the table lacks (or without a table), the FLOP rate as a "
+        "fraction of metrics.peak_flops; a stated guess, and every such line says so",
+        bounds=Bounds(low=0, high=1, low_open=True))
+    top: int = option(5, "job.estimate_step_time: layouts printed per swept GPU count", bounds=at_least(1))
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -327,3 +378,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     lora: Lora = field(default_factory=Lora)
+    step_time: StepTime = field(default_factory=StepTime)

@@ -1,7 +1,9 @@
 """Per-rank parameter and memory estimate of a layout (the dry run prints it; built on the meta device).
 
 Counted: this rank's shard of the parameters, their gradients and the Adam moments, plus the gathered weights
-of the two largest FSDP units in flight (one computing, one prefetched). Activations only on request
+(``titan_kimi.parallel.stage_params``): under pipeline parallelism FSDP keeps every gathered unit of the stage,
+and the unsharded gradients, for the whole step (``reshard_after_forward`` off); otherwise the two largest units
+are in flight (one computing, one prefetched). Activations only on request
 (``job.estimate_activations``): measured on fake tensors by ``titan_kimi.parallel.activation_estimate``, for one
 (micro)batch per stage (pipeline schedules keep several in flight on early stages). Not counted: communication
 buffers, the allocator's slack.
@@ -9,43 +11,25 @@ buffers, the allocator's slack.
 
 from __future__ import annotations
 
-import torch
-
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-from titan_kimi.models.kimi_k3.init import fp32_parameter_names
+from titan_kimi.parallel.fsdp import reshard_after_forward
 from titan_kimi.parallel.layout import ParallelLayout
+from titan_kimi.parallel.stage_params import RankBytes, count_stage_params, rank_bytes
 from titan_kimi.training.build import build_meta_model
 
-_BYTES = {torch.float32: 4, torch.bfloat16: 2}
-
-
-def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range) -> tuple[int, float, float]:
-    """(parameters on one rank, GiB of states per rank, GiB of gathered weights in flight) for one stage."""
+def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range) -> tuple[int, RankBytes]:
+    """(parameters on one rank, bytes one rank holds for them) for one stage."""
     model = build_meta_model(args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer,
                              layer_range=layer_range)
-    keep = fp32_parameter_names(model)
-    state = DTYPES[cfg.optimizer.state_dtype]
+    counts = count_stage_params(model)
     compute = DTYPES[cfg.training.param_dtype] if cfg.training.mixed_precision else DTYPES[cfg.model.dtype]
-    params = states = 0.0
-    units: list[float] = []
-    for name, module in model.named_children():
-        if name == "layers":
-            for block in module.values():
-                dense = sum(p.numel() for n, p in block.named_parameters() if ".experts." not in f".{n}")
-                experts = sum(p.numel() for n, p in block.named_parameters() if ".experts." in f".{n}")
-                units.append((dense + experts / layout.ep) * _BYTES[compute])
-        elif module is not None:
-            units.append(sum(p.numel() for p in module.parameters()) * _BYTES[compute])
-    for name, p in model.named_parameters():
-        share = p.numel() / layout.fsdp  # experts: over ep x efsdp = fsdp ranks; dense: over fsdp
-        width = 4 if name in keep else _BYTES[p.dtype]
-        params += share
-        states += share * width * (2 if p.requires_grad else 1)  # weight + gradient
-        if p.requires_grad:
-            states += share * (4 if name in keep else _BYTES[state]) * 2  # exp_avg, exp_avg_sq
-    in_flight = sum(sorted(units)[-2:]) if layout.fsdp > 1 else 0.0
-    return int(params), states / 2**30, in_flight / 2**30
+    keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=layout.pp > 1)
+    held = rank_bytes(counts, fsdp=layout.fsdp, efsdp=layout.efsdp, weight_bytes=compute.itemsize,
+                      state_bytes=DTYPES[cfg.optimizer.state_dtype].itemsize, keep_gathered=keep,
+                      reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize)
+    total = counts.dense + counts.dense_frozen + counts.experts + counts.experts_frozen
+    return int(total / layout.fsdp + counts.fp32 + counts.fp32_frozen), held
 
 
 def _activations(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, ranges) -> tuple[float, float]:
@@ -70,13 +54,17 @@ def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, *, activa
     lines = []
     for rank in ranks:
         ranges = [plan.ranges[s] for s in plan.stages_of_rank(rank)] if plan is not None else [None]
-        params = states = flight = 0.0
+        params = states = gathered = 0.0
         for layer_range in ranges:
-            p, s, f = _stage_bytes(cfg, args, layout, layer_range)
-            params, states, flight = params + p, states + s, max(flight, f)
+            p, held = _stage_bytes(cfg, args, layout, layer_range)
+            params, states = params + p, states + held.shards / 2**30
+            gathered += (held.gathered + held.gathered_grads) / 2**30
         where = f"pp rank {rank}" if plan is not None else "every rank"
+        keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=layout.pp > 1)
+        kept = ("gathered weights and their unsharded gradients, kept for the whole step" if keep
+                else "gathered weights in flight")
         lines.append(f"{where}: {params / 1e9:.3f} B params per rank, {states:.1f} GiB params + grads + Adam "
-                     f"moments, + {flight:.1f} GiB gathered weights in flight = {states + flight:.1f} GiB "
+                     f"moments, + {gathered:.1f} GiB {kept} = {states + gathered:.1f} GiB "
                      f"(activations not included)")
         if activations:
             acts, scores = _activations(cfg, args, layout, ranges)
@@ -87,5 +75,5 @@ def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, *, activa
                 f"{where}: activations {acts:.3g} GiB for {rows} x {t.seq_len // layout.cp} local tokens of "
                 f"{t.seq_len} ({cp}, activation_checkpoint {cfg.activation_checkpoint.mode}"
                 f"{', one microbatch per stage' if plan is not None else ''}) + indexer score chunk <= "
-                f"{scores:.3g} GiB -> peak about {states + flight + acts + scores:.3g} GiB per rank")
+                f"{scores:.3g} GiB -> peak about {states + gathered + acts + scores:.3g} GiB per rank")
     return lines

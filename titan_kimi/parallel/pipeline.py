@@ -127,17 +127,35 @@ def build_schedule(
 
 
 class PipelineRunner:
-    """One optimizer micro-step of this rank's stages: fwd + bwd over the microbatches of a local batch."""
+    """One optimizer micro-step of this rank's stages: fwd + bwd over the microbatches of a local batch.
+
+    ``prefetch_weights``: start every FSDP unit's all-gather when a step begins (asynchronously, in forward order)
+    instead of in its first microbatch's forward, so that a later stage gathers while it waits for its first
+    input. FSDP's pre-forward waits for them. From the second step on: the first forward initialises FSDP's
+    root state (its streams), which the gathers need."""
 
     def __init__(self, schedule, stages, modules: Sequence[PipelineStageModule],
-                 images: ImageSlots | None = None) -> None:
+                 images: ImageSlots | None = None, *, prefetch_weights: bool = False) -> None:
         self.schedule, self.stages, self.modules = schedule, stages, list(modules)
         self.images = images
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
+        self.prefetch_weights = prefetch_weights
+        self._steps = 0
+
+    def _prefetch(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.modules:
+            for sub in module.modules():  # the root first, then its units in registration (forward) order
+                if isinstance(sub, FSDPModule):
+                    sub.unshard(async_op=True)
 
     def step(self, batch: dict[str, torch.Tensor], normalizer: float, *, backward: bool = True) -> torch.Tensor:
         """The sum of this rank's last-stage microbatch losses (zero on ranks without the last stage)."""
+        if self.prefetch_weights and backward and self._steps:
+            self._prefetch()
+        self._steps += 1
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         args = (batch["input_ids"],) if self.has_first else ()
         if self.has_first and self.images is not None:

@@ -1,0 +1,117 @@
+"""The rank-slice benchmark: the routed rows an EP rank receives, the local dispatch against the model's own
+MoE, and a tiny end-to-end run whose table the step-time estimate then reads."""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_kimi.models.kimi_k3 import model_args_for
+from titan_kimi.models.kimi_k3.moe import LatentMoE
+from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad, balanced_load, parse_load, zipf_load
+from titan_kimi.parallel.rank_slice.local_experts import localize_experts
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_expert_loads():
+    even = balanced_load(tokens=4096, top_k=16, num_experts=896, ep=32)
+    assert even.counts.shape == (32, 28) and even.rows == 4096 * 16 and even.rank_factor == 1.0
+    hot = zipf_load(4096, 16, 896, 32, exponent=0.3)
+    assert hot.rank_factor > 1.2 and hot.expert_factor > hot.rank_factor  # the busiest rank, its hottest expert
+    assert int(hot.counts.sum(0).max()) <= 4096 * 32  # an expert gets at most one row per token of all ranks
+    assert zipf_load(4096, 16, 896, 32, exponent=0.0).rank_factor == pytest.approx(1.0, abs=1e-3)
+    with pytest.raises(ValueError, match="valid: balanced, zipf"):
+        parse_load("uniform", 4096, 16, 896, 32)
+    with pytest.raises(ValueError, match="do not split over 3 EP ranks"):
+        balanced_load(4096, 16, 896, 3)
+
+
+def test_measured_load_file(tmp_path):
+    counts = [1.0] * 8
+    counts[0] = 9.0  # expert 0 (on rank 0 of 2) takes 9 / 16 of the rows
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(counts))
+    load = parse_load(f"file:{path}", tokens=64, top_k=2, num_experts=8, ep=2)
+    assert load.rows == round(64 * 2 * 2 * 12 / 16) and load.rank_factor == pytest.approx(1.5)
+
+
+def test_local_dispatch_matches_the_moe_when_it_receives_its_own_rows():
+    """With one EP rank receiving exactly the rows it routed, the local dispatch (torchtitan's permutation and
+    alignment, the expert-shard forward, the unpermutation) computes the MoE's own output and gradients."""
+    torch.manual_seed(0)
+    args = model_args_for("k31_debug")
+    moe = LatentMoE(args)
+    moe.init_weights()
+    local = copy.deepcopy(moe)
+    x = torch.randn(2, 16, args.dim, requires_grad=True)
+    with torch.no_grad():
+        _, indices = moe.router(x.view(-1, args.dim))
+    counts = torch.bincount(indices.view(-1), minlength=args.num_experts).view(1, -1)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    holder.layers["0"].moe_enabled, holder.layers["0"].moe = True, local
+    localize_experts(holder, ExpertLoad(counts, "measured", 1.0, 1.0))
+    ref, out = moe(x), local(x)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    g = torch.randn_like(ref)
+    (grad_ref,) = torch.autograd.grad(ref, x, g)
+    (grad_out,) = torch.autograd.grad(out, x, g)
+    assert ((grad_out - grad_ref).norm() / grad_ref.norm()).item() < 1e-5
+
+
+TINY_SLICE = ["--config", "train_configs/k31.toml", "--world-size", "4", "--warmup", "0", "--repeats", "1",
+              "--steps", "1", "--loads", "balanced", "zipf:0.5", "--model.flavor", "k31_debug",
+              "--model.vision_flavor", "moonvit3d_debug", "--training.seq_len", "64", "--training.local_batch_size",
+              "2", "--training.global_batch_size", "4", "--parallelism.pipeline_parallel_degree", "2",
+              "--parallelism.expert_parallel_degree", "2", "--rows", "medpix:4:28x28", "--stage", "0"]
+
+
+def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    import rank_slice
+
+    out = tmp_path / "out"
+    assert rank_slice.main([*TINY_SLICE, "--out", str(out), "--parts", "layers", "stage"]) == 0
+    report = json.loads((out / "rank_slice.json").read_text())
+    names = {e["name"] for e in report["layers"]}
+    # stage 0 of k31_debug: the dense first layer, KDA and DSA layers with MoE, the tower, the optimizer
+    assert {"kda+dense, block start", "kda+moe", "dsa+moe", "attention kda", "ffn moe", "optimizer step"} <= names
+    assert any(n.startswith("vision tower + projector") for n in names)
+    blocks = [e for e in report["layers"] if e["kind"] == "block"]
+    assert all(e["forward_ms"] > 0 and e["backward_ms"] > 0 and e["flops"]["forward"] > 0 for e in blocks)
+    assert {e["load"] for e in blocks if "+moe" in e["name"]} == {"balanced", "zipf:0.5"}
+    sched = report["schedule"]
+    assert set(sched["forward_ms"]) == {"0"} and sched["in_flight"] == {"0": 2}  # 1F1B stage 0 of 2: both held
+    assert "## The rank's schedule" in (out / "rank_slice.md").read_text()
+
+    from titan_kimi.config import load_job_config
+    from titan_kimi.parallel.layout import resolve_layout
+    from titan_kimi.parallel.step_time.describe import describe_step_time
+    from titan_kimi.training.build import model_args_from_config
+
+    cfg = load_job_config(["--job.config_file", "train_configs/k31.toml", "--job.world_size", "4",
+                           "--job.dry_run", "--job.estimate_step_time", *TINY_SLICE[TINY_SLICE.index("--model.flavor"):
+                                                                                     TINY_SLICE.index("--rows")],
+                           "--step_time.table", str(out / "step_time_h200.json"), "--step_time.rows", "medpix:4:28x28"])
+    args = model_args_from_config(cfg)
+    layout = resolve_layout(cfg.parallelism, 4, args, local_batch_size=2, seq_len=64)
+    from titan_kimi.training.build import tokenizer_from_config, vision_args_from_config
+
+    vision = vision_args_from_config(cfg, tokenizer_from_config(cfg, args))
+    lines = describe_step_time(cfg, args, layout, vision)
+    # stage 0's kinds were measured; stage 1's block start and head were not: those fall back, named
+    assert "'head/head'" in lines[0] and "'layers/kda+moe, block start'" in lines[0]
+    assert "'layers/kda+moe'" not in lines[0] and "'layers/dsa+moe'" not in lines[0]
+    # the skewed load: the table's zipf:0.5 MoE rates, and the busiest rank's extra rows in FLOPs and all-to-alls
+    from titan_kimi.parallel.step_time.describe import settings_from_config
+    from titan_kimi.parallel.step_time.estimate import StepTimeModel
+
+    cfg.step_time.expert_load = "skewed"
+    assert "expert load skewed" in describe_step_time(cfg, args, layout, vision)[0]
+    factor, load = StepTimeModel(cfg, args, vision, settings_from_config(cfg)).load_factor(layout.ep)
+    assert load == "zipf:0.5" and factor > 1
+    assert factor == pytest.approx(parse_load("zipf:0.5", 64, 2, 8, 2).rank_factor, rel=0.05)  # up to rounding

@@ -1,0 +1,119 @@
+"""The step-time model's arithmetic: schedule orders and bubbles, in-flight microbatches, communication costs,
+the measured table's lookups, and the dry run's estimate and recommendation."""
+
+import json
+
+import pytest
+
+from tests.test_train import TINY, run_main
+from titan_kimi.parallel.pipeline_plan import plan_pipeline
+from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
+from titan_kimi.parallel.step_time.schedules import StageTimes, peak_in_flight, rank_orders, simulate
+from titan_kimi.parallel.step_time.table import Table, merge_entries
+
+
+def plan(schedule, pp, layers=96):
+    return plan_pipeline(n_layers=layers, block_size=12, pp=pp, schedule=schedule)
+
+
+@pytest.mark.parametrize("pp,n", [(8, 8), (4, 8), (2, 6)])
+def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(pp, n):
+    """Equal stages: every rank idles (p - 1)(F + B) of a span (m + p - 1)(F + B) (7/15 at the recipes' 8 x 8)."""
+    p = plan("1F1B", pp)
+    line = simulate(p, n, {s: StageTimes(1.0, 1.5, 0.5) for s in range(pp)})
+    assert line.makespan == pytest.approx((n + pp - 1) * 3.0)
+    for r in range(pp):
+        assert line.idle(r) / line.makespan == pytest.approx((pp - 1) / (n + pp - 1))
+    # 1F1B's warm-up: rank r holds min(n, pp - r) microbatches' activations, as torch's Schedule1F1B runs it
+    orders = rank_orders(p, n)
+    assert [peak_in_flight(orders[r])[r] for r in range(pp)] == [min(n, pp - r) for r in range(pp)]
+
+
+def test_interleaving_divides_the_bubble_and_zero_bubble_schedules_shrink_it_further():
+    """Interleaved 1F1B over v = 2 chunks: bubble (p - 1)(t_f + t_b) / v (Narayanan et al.); the zero-bubble
+    V schedules fill most of the rest with weight gradients. Same total work on 4 ranks, 8 microbatches."""
+    pp, n = 4, 8
+    chunk = StageTimes(0.5, 0.5, 0.5)  # a rank's two chunks: t_f = 1, t_b = 2 per microbatch
+    spans = {s: simulate(plan(s, pp), n, {i: chunk for i in range(2 * pp)}).makespan
+             for s in ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")}
+    work = n * 2 * 1.5
+    assert spans["Interleaved1F1B"] == pytest.approx(work + (pp - 1) * 3.0 / 2)
+    assert spans["ZBVZeroBubble"] < spans["Interleaved1F1B"] and spans["DualPipeV"] < spans["Interleaved1F1B"]
+    one = simulate(plan("1F1B", pp), n, {i: StageTimes(1.0, 1.0, 1.0) for i in range(pp)}).makespan
+    assert spans["Interleaved1F1B"] < one
+
+
+def test_transfers_and_a_slow_first_forward_delay_the_pipeline():
+    p = plan("1F1B", 2)
+    times = {s: StageTimes(1.0, 1.0, 1.0) for s in range(2)}
+    base = simulate(p, 2, times).makespan
+    assert simulate(p, 2, times, transfer={0: 0.25}).makespan == pytest.approx(base + 2 * 0.25)
+    assert simulate(p, 2, times, first_forward={0: 0.5}).makespan == pytest.approx(base + 0.5)
+
+
+def test_communication_costs():
+    net = Network(nvlink_gb_per_s=400.0, internode_gb_per_s=50.0, gpus_per_node=8, latency_us=10.0)
+    sent = ep_all_to_all_bytes(4096, 16, 3584)
+    assert sent == 4096 * 16 * 3584 * 2  # routed rows x latent x 2 bytes
+    # EP32 over 4 nodes: 24/32 of the rows leave the node through the rank's NIC, 7/32 cross NVLink
+    assert net.all_to_all(sent, 32) == pytest.approx(max(sent * 24 / 32 / 50e9, sent * 7 / 32 / 400e9) + 1e-5)
+    assert net.all_to_all(sent, 8) == pytest.approx(sent * 7 / 8 / 400e9 + 1e-5)  # inside one node
+    assert net.all_to_all(sent, 1) == 0.0
+    assert net.ring(1e9, 8) == pytest.approx(1e9 * 7 / 8 / 400e9 + 1e-5)
+    assert net.ring(1e9, 32) == pytest.approx(1e9 * 31 / 32 / 50e9 + 1e-5)  # the slowest link a ring crosses
+    assert net.point_to_point(1e6, 32) == pytest.approx(1e6 / 50e9 + 1e-5)
+    with pytest.raises(ValueError, match="bandwidths must be > 0"):
+        Network(0.0, 50.0, 8, 1.0)
+
+
+def test_table_lookups_scale_by_the_measured_rate_and_move_the_recomputed_forward(tmp_path):
+    def entry(tokens, fwd_ms, bwd_ms, ac):
+        return {"tokens": tokens, "rows": "r", "ac": ac, "load": "balanced", "forward_ms": fwd_ms,
+                "backward_ms": bwd_ms, "forward_flops": 1e12 * tokens / 1024, "backward_flops": 2e12 * tokens / 1024}
+
+    data = None
+    for tokens, fwd in ((1024, 2.0), (4096, 4.0)):  # 0.5e12 / ms at 1024, 1e12 / ms at 4096
+        data = merge_entries(data, "g", "layers", "kda+moe", entry(tokens, fwd, 3 * fwd, 1.0),
+                             hardware="NVIDIA H200", peak_flops=989e12)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    table = Table.load(path)
+    # at a measured point, under its own checkpointing: the measured times
+    assert table.time_ms("g", "layers", "kda+moe", 4096, 4e12, 8e12, 1.0) == pytest.approx((4.0, 12.0))
+    # without checkpointing the backward loses one forward
+    assert table.time_ms("g", "layers", "kda+moe", 4096, 4e12, 8e12, 0.0) == pytest.approx((4.0, 8.0))
+    # between the points the rate is interpolated on log tokens: 2048 is halfway
+    fwd, _ = table.time_ms("g", "layers", "kda+moe", 2048, 2e12, 4e12, 0.0)
+    assert fwd == pytest.approx(2e12 / 0.75e12)
+    assert table.time_ms("g", "layers", "dsa+moe", 4096, 1.0, 1.0, 1.0) is None
+    assert "no measured table" in Table.load(tmp_path / "absent.json").missing
+    with pytest.raises(ValueError, match="this run is on cpu"):
+        merge_entries(data, "g", "layers", "kda+moe", entry(512, 1.0, 1.0, 1.0), hardware="cpu", peak_flops=1.0)
+
+
+STEP_TIME = [*TINY, "--job.dry_run", "--job.estimate_step_time", "--job.world_size", "8",
+             "--model.flavor", "k31_debug", "--training.local_batch_size", "4", "--training.global_batch_size", "16",
+             "--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+             "--activation_checkpoint.mode", "full"]
+
+
+def test_dry_run_estimates_the_step_and_recommends_a_layout(capsys):
+    out = run_main(capsys, *STEP_TIME, "--step_time.gpu_counts", "[8, 16]", "--step_time.top", "2")
+    lines = [line for line in out.splitlines() if line.startswith("# ")]
+    head = next(line for line in lines if line.startswith("# step time: "))
+    assert "FLOP-rate fallback at 40% of peak" in head and "not measured" in head  # no table ships yet
+    configured = next(line for line in lines if line.startswith("# step time of the configured layout: "))
+    assert "pp 2 1F1B x dp_shard 4 x cp 1, ep 2, microbatch 1" in configured and "dominant" in configured
+    assert any(line.startswith("# step time with Interleaved1F1B: not a valid layout") for line in lines)
+    for gpus in (8, 16):
+        listed = [line for line in lines if line.startswith("#     ")]
+        assert listed
+        best = next(line for line in lines if line.startswith(f"# recommended for {gpus} GPUs: "))
+        assert "tokens/s/GPU" in best
+    # the fastest listed layout of 8 GPUs is the recommended one, and nothing listed is slower than what follows
+    assert "# 16 GPUs at a global batch of 32 sequences (step_time.sweep_batch = per_gpu):" in lines
+    block = lines[next(i for i, line in enumerate(lines) if line.startswith("# 8 GPUs at a global batch of 16")) + 2:]
+    speeds = [float(line.split(" tokens/s/GPU")[0].rsplit(" ", 1)[1].replace(",", "")) for line in block[:2]]
+    assert speeds == sorted(speeds, reverse=True)
+    out = run_main(capsys, *STEP_TIME, "--step_time.memory_gib", "1e-9")
+    assert "# recommended for 8 GPUs: none fits in 1e-09 GiB" in out

@@ -1,0 +1,60 @@
+"""The routed experts' GEMMs of one EP rank alone, against their floor: what runs (``torch._grouped_mm`` over
+the local experts' aligned row groups, as ``GroupedExperts.run``), one ``mm`` per expert, and one dense GEMM
+chain with the same rows and FLOPs (no grouping: the rate the grouped kernel could reach at this size).
+
+Each is forward + backward (input and weight gradients) of ``x @ w13^T -> SiTU-GLU -> @ w2^T``."""
+
+from __future__ import annotations
+
+import torch
+
+from lowerings import ops
+from titan_kimi.models.kimi_k3.layer_flops import LayerFlops
+from titan_kimi.models.kimi_k3.moe import GROUP_ROW_ALIGN
+from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
+from titan_kimi.parallel.rank_slice.measure import Entry, _timed
+
+
+def _aligned_counts(load: ExpertLoad) -> list[int]:
+    per_expert = load.counts.sum(0).tolist()
+    return [max(GROUP_ROW_ALIGN, -(-c // GROUP_ROW_ALIGN) * GROUP_ROW_ALIGN) for c in per_expert]
+
+
+def measure_expert_gemms(experts: torch.nn.Module, load: ExpertLoad, *, warmup: int, repeats: int,
+                         generator: torch.Generator, device: torch.device) -> list[Entry]:
+    """Entries for the three ways, on the rows ``load`` gives each local expert (padded as torchtitan pads)."""
+    counts = _aligned_counts(load)
+    w13, w2 = experts.w13, experts.w2
+    rows, latent, hidden = sum(counts), w13.shape[-1], w2.shape[-1]
+    dtype = w13.dtype
+    x = torch.randn(rows, latent, generator=generator).to(device, dtype).requires_grad_(True)
+    grad = torch.randn(rows, latent, generator=generator).to(device, dtype)
+    tokens = torch.tensor(counts, device=device)
+    beta, beta_lin = experts.beta, experts.beta_lin
+    flops_fwd = 2.0 * rows * (w13[0].numel() + w2[0].numel())
+    flops = LayerFlops(flops_fwd, flops_fwd, flops_fwd)
+
+    def grouped():
+        return [experts.run(w13, w2, x, tokens)], [grad]
+
+    def per_expert():
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            h = ops.situ_glu(x[start:start + n] @ w13[e].t(), beta, beta_lin)
+            outs.append(h @ w2[e].t())
+            start += n
+        return [torch.cat(outs)], [grad]
+
+    def dense():
+        h = ops.situ_glu(x @ w13[0].t(), beta, beta_lin)
+        return [h @ w2[0].t()], [grad]
+
+    note = f"{len(counts)} experts, {rows} rows (aligned to {GROUP_ROW_ALIGN}), {latent} -> {hidden} -> {latent}; {load.name}"
+    out = []
+    for name, fn in (("experts: grouped_mm (what runs)", grouped), ("experts: one mm per expert", per_expert),
+                     ("experts: one dense GEMM chain (the floor)", dense)):
+        fwd, bwd, saved, top = _timed(fn, device, warmup, repeats)
+        out.append(Entry(name, "gemm", rows, fwd, bwd, flops, saved, top, note, load.name))
+    for p in (w13, w2):
+        p.grad = None
+    return out

@@ -1,0 +1,296 @@
+"""Measurements of a rank slice: each decoder-layer kind on its own (the block as built, with its activation
+checkpointing, and its attention and FFN apart), the vision tower per image, the head and loss, the optimizer
+step per parameter, and the rank's whole schedule over its microbatches (per-stage forward / backward times and
+the peak memory with as many microbatches in flight as the schedule holds).
+
+Every entry carries its model FLOPs (``titan_kimi.models.kimi_k3.layer_flops``) so that its rate and MFU read
+against the floor; a backward under activation checkpointing includes the recomputed forward (executed work
+that the model FLOPs, and so the MFU, leave out).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from titan_kimi.models.kimi_k3.layer_flops import (LayerFlops, attention_part_flops, block_flops, ffn_part_flops,
+                                                   head_flops, row_segments)
+from titan_kimi.models.kimi_k3.vision_accounting import vision_flops
+from titan_kimi.parallel.pipeline_images import unpad_images
+from titan_kimi.parallel.rank_slice.build import RankSlice
+from titan_kimi.parallel.rank_slice.microbatch import Microbatch
+from titan_kimi.parallel.rank_slice.timing import (Stopwatch, allocated, gib, median_phases, peak, reset_peak,
+                                                  synchronize)
+from titan_kimi.parallel.step_time.schedules import BACKWARD, FORWARD, INPUT, Action, peak_in_flight, rank_orders
+from titan_kimi.parallel.step_time.stage_work import layer_kind
+
+
+@dataclass
+class Entry:
+    """One measured item: ``forward_ms`` / ``backward_ms`` medians, its FLOPs, memory above what was allocated
+    before it (``saved_gib`` held after the forward, ``peak_gib`` at its peak)."""
+
+    name: str
+    kind: str  # block | attention | ffn | vision | head | optimizer | stage
+    tokens: int
+    forward_ms: float
+    backward_ms: float
+    flops: LayerFlops
+    saved_gib: float | None = None
+    peak_gib: float | None = None
+    note: str = ""
+    load: str = ""  # the expert load of an MoE entry
+    rows: str = ""  # the microbatch's row layout
+
+    def row(self, peak_flops: float) -> dict:
+        out = asdict(self)
+        out["flops"] = asdict(self.flops)
+        total_ms = self.forward_ms + self.backward_ms
+        out["forward_tflops"] = self.flops.forward / self.forward_ms / 1e9 if self.forward_ms else None
+        out["backward_tflops"] = self.flops.backward / self.backward_ms / 1e9 if self.backward_ms else None
+        out["mfu"] = self.flops.total / (total_ms / 1e3) / peak_flops if total_ms and self.flops.total else None
+        return out
+
+
+def _bank_entries(args, layer: int) -> int:
+    """Entries of the AttnRes bank a layer receives (the embedding and the finished blocks)."""
+    block = args.attn_res_block_size
+    if not block:
+        return 0
+    return layer // block + (0 if layer % block == 0 else 1)
+
+
+def _sequence(part, mb: Microbatch, max_causal_keys: int | None):
+    seq = part.build_sequence(mb.doc_ids.shape[0], mb.doc_ids.shape[1], mb.doc_ids.device, mb.doc_ids)
+    seq.dsa_dense = part.dsa_dense(seq, max_causal_keys)
+    return seq
+
+
+def _timed(fn_forward, device, warmup: int, repeats: int) -> tuple[float, float, float | None, float | None]:
+    """(forward ms, backward ms, saved GiB, peak GiB) of ``fn_forward() -> (outputs, grads)`` then backward."""
+    synchronize(device)
+    before = allocated(device)
+    saved: list[int | None] = []
+
+    def step(watch):
+        a = watch.mark()
+        outs, grads = fn_forward()
+        b = watch.mark()
+        after = allocated(device)
+        saved.append(None if after is None else after - before)
+        if any(o.requires_grad for o in outs):  # (a frozen module's output has no backward)
+            torch.autograd.backward(outs, grads)
+        c = watch.mark()
+        return [a, b, c]
+
+    reset_peak(device)
+    fwd, bwd = median_phases(step, device, warmup, repeats)
+    top = peak(device)
+    return fwd, bwd, gib(saved[-1]), gib(None if top is None else top - before)
+
+
+def _random_like(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(x.shape, generator=gen, device="cpu", dtype=torch.float32).to(x.device, x.dtype)
+
+
+def _layer_inputs(args, layer: int, mb: Microbatch, dtype, device, generator):
+    rows, S = mb.doc_ids.shape
+    hidden = _random_like(torch.empty(rows, S, args.dim, dtype=dtype, device=device), generator)
+    bank = _random_like(torch.empty(rows * S, _bank_entries(args, layer), args.dim, dtype=dtype, device=device),
+                        generator)
+    return hidden.requires_grad_(True), bank.requires_grad_(True), _random_like(hidden, generator)
+
+
+BLOCK, ATTENTION, FFN = "block", "attention", "ffn"
+
+
+def measure_blocks(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: int | None, warmup: int,
+                   repeats: int, generator: torch.Generator, device: torch.device,
+                   what: tuple[str, ...] = (BLOCK, ATTENTION, FFN),
+                   select: Callable[[str], bool] | None = None) -> list[Entry]:
+    """Every distinct layer kind of the built stages once (``select``: only the kinds it accepts): ``block``
+    the layer as built (with its AC), ``attention`` its norm and mixer alone, ``ffn`` its norm and MoE or MLP
+    alone (both without AC; each distinct one once). MoE entries carry the slice's current expert load."""
+    entries: list[Entry] = []
+    seen: set[str] = set()
+    load = rs.load
+    routed = load.rows if load is not None else None
+    for index, stage in rs.stages:
+        part, mb = stage.part, mbs[index]
+        args = part.args
+        seq = _sequence(part, mb, max_causal_keys)
+        segments = row_segments(mb.doc_ids)
+        for name, wrapped in part.layers.items():
+            layer = int(name)
+            kind = layer_kind(args, layer, seq.dsa_dense)
+            if select is not None and not select(kind):
+                continue
+            block = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)
+            moe_load = load.name if (load is not None and block.moe_enabled) else ""
+            dtype = next(p.dtype for p in block.parameters() if p.dtype != torch.float32)
+            hidden, bank, grad_h = _layer_inputs(args, layer, mb, dtype, device, generator)
+            ffn = block.moe if block.moe_enabled else block.feed_forward
+            attention_name, ffn_name = kind.split(",")[0].split("+")
+
+            def run_block(wrapped=wrapped, hidden=hidden, bank=bank, grad_h=grad_h, seq=seq):
+                h, b = wrapped(hidden, bank, seq)
+                if b is bank:
+                    return [h], [grad_h]
+                return [h, b], [grad_h, torch.ones_like(b)]
+
+            def run_attention(block=block, hidden=hidden, grad_h=grad_h, seq=seq):
+                return [block.attention(block.attention_norm(hidden), seq)], [grad_h]
+
+            def run_ffn(block=block, hidden=hidden, grad_h=grad_h, ffn=ffn):
+                return [ffn(block.ffn_norm(hidden))], [grad_h]
+
+            jobs = {
+                BLOCK: (kind, run_block, lambda: block_flops(block, args, segments, routed_rows=routed,
+                                                             dsa_dense=seq.dsa_dense), moe_load),
+                ATTENTION: (f"attention {attention_name}", run_attention,
+                            lambda: attention_part_flops(block, args, segments, dsa_dense=seq.dsa_dense), ""),
+                FFN: (f"ffn {ffn_name}", run_ffn, lambda: ffn_part_flops(block, mb.tokens, routed_rows=routed),
+                      moe_load),
+            }
+            for item in what:
+                label, run, flops, entry_load = jobs[item]
+                if label in seen:
+                    continue
+                seen.add(label)
+                fwd, bwd, saved, top = _timed(run, device, warmup, repeats)
+                note = load.describe() if entry_load else ""
+                entries.append(Entry(label, item, mb.tokens, fwd, bwd, flops(), saved, top, note, entry_load))
+    return entries
+
+
+def measure_vision(part, mb: Microbatch, *, warmup: int, repeats: int, generator: torch.Generator,
+                   device: torch.device) -> Entry | None:
+    """The tower and projector on the microbatch's images (a frozen tower runs without autograd), per image."""
+    if not mb.grids or getattr(part, "vision_tower", None) is None:
+        return None
+    pixels, grids = unpad_images(mb.inputs[1], mb.inputs[2])
+    trains = any(p.requires_grad for p in part.vision_tower.parameters())
+    projector = any(p.requires_grad for p in part.mm_projector.parameters())
+    grad = None
+
+    def run():
+        nonlocal grad
+        out = part.image_features(pixels, grids)
+        grad = _random_like(out, generator) if grad is None else grad
+        return [out], [grad]
+
+    fwd, bwd, saved, top = _timed(run, device, warmup, repeats)
+    n = len(mb.grids)
+    fwd_flops = vision_flops(part.vision_args, part.args.dim, mb.grids, tower_trained=False,
+                             projector_trained=False)
+    total = vision_flops(part.vision_args, part.args.dim, mb.grids, tower_trained=trains,
+                         projector_trained=projector)
+    flops = LayerFlops(fwd_flops / n, (total - fwd_flops) / n / 2, (total - fwd_flops) / n / 2)
+    t, h, w = mb.grids[0]
+    return Entry(f"vision tower + projector, per {h * 14}x{w * 14} image", "vision", t * h * w, fwd / n, bwd / n,
+                 flops, saved, top, f"{t * h * w} patches; tower {'trained' if trains else 'frozen'}")
+
+
+def measure_head(stage, mb: Microbatch, *, warmup: int, repeats: int, generator: torch.Generator,
+                 device: torch.device, dtype: torch.dtype) -> Entry | None:
+    """The last stage's norm, head and loss (the trainer's fused linear cross-entropy) on the microbatch."""
+    part = stage.part
+    if part.output is None:
+        return None
+    rows, S = mb.doc_ids.shape
+    hidden = _random_like(torch.empty(rows, S, part.args.dim, dtype=dtype, device=device), generator)
+    hidden.requires_grad_(True)
+    normalizer = float(max(1, int((mb.labels != -100).sum())))
+
+    def run():
+        loss = stage.loss_fn(part.output, part.norm(hidden), mb.labels, normalizer)
+        return [loss], [None]
+
+    fwd, bwd, saved, top = _timed(run, device, warmup, repeats)
+    return Entry("norm + head + loss", "head", mb.tokens, fwd, bwd, head_flops(part.args, mb.tokens), saved, top)
+
+
+def measure_optimizer(block: torch.nn.Module, optimizer_cfg, *, warmup: int, repeats: int,
+                      device: torch.device) -> Entry:
+    """One optimizer step over a block's trainable parameters (gradients set): its time per parameter scales
+    to the rank's shards."""
+    from titan_kimi.training.optimizer import build_optimizer
+
+    params = [p for p in block.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = build_optimizer([block], optimizer_cfg)
+
+    def step(watch):
+        a = watch.mark()
+        opt.step()
+        return [a, watch.mark()]
+
+    (ms,) = median_phases(step, device, warmup, repeats)
+    numel = sum(p.numel() for p in params)
+    opt.state.clear()
+    for p in params:
+        p.grad = None
+    return Entry("optimizer step", "optimizer", numel, ms, 0.0, LayerFlops(0.0, 0.0, 0.0),
+                 note=f"{ms * 1e6 / numel:.4g} ns per parameter over {numel} parameters")
+
+
+@dataclass
+class ScheduleRun:
+    """The rank's schedule: per stage the median forward and backward ms of one microbatch, the step's span,
+    and the peak memory (absolute) with the schedule's microbatches in flight."""
+
+    forward_ms: dict[int, float]
+    backward_ms: dict[int, float]
+    step_ms: float
+    peak_gib: float | None
+    in_flight: dict[int, int]
+
+
+def run_schedule(rs: RankSlice, mbs: dict[int, Microbatch], plan, pp_rank: int, n_microbatches: int, *,
+                 steps: int, generator: torch.Generator, device: torch.device,
+                 forward: Callable[[int, Microbatch, float], tuple]) -> ScheduleRun:
+    """Run pipeline rank ``pp_rank``'s actions in its schedule's order (``plan``; None: every microbatch's
+    forward then its backward, as gradient accumulation does) with nothing to wait for: the peers' transfers
+    are left out. A weight-gradient action (zero-bubble schedules) costs nothing here: its input half ran the
+    whole backward. ``forward(stage, microbatch, normalizer)`` runs one forward and returns its outputs (the
+    loss on the last stage). The first steps warm up; the last one is reported."""
+    if plan is None:
+        order = [a for m in range(n_microbatches) for a in (Action(0, FORWARD, m), Action(0, BACKWARD, m))]
+    else:
+        order = rank_orders(plan, n_microbatches)[pp_rank]
+    normalizer = float(max(1, sum(int((mb.labels != -100).sum()) for mb in mbs.values()) * n_microbatches))
+    grads: dict[int, list] = {}
+    result = None
+    for step_index in range(steps):
+        synchronize(device)
+        reset_peak(device)
+        outputs: dict[tuple[int, int], tuple] = {}
+        times: dict[tuple[int, str], list[float]] = {}
+        marks = []
+        watch = Stopwatch(device)
+        first = watch.mark()
+        for a in order:
+            if a.kind not in (FORWARD, BACKWARD, INPUT):
+                continue
+            mb = mbs[a.stage]
+            begin = watch.mark()
+            if a.kind == FORWARD:
+                outputs[(a.stage, a.microbatch)] = forward(a.stage, mb, normalizer)
+            else:
+                outs = outputs.pop((a.stage, a.microbatch))
+                if a.stage not in grads:
+                    grads[a.stage] = [None if o.dim() == 0 else _random_like(o, generator) for o in outs]
+                torch.autograd.backward(list(outs), grads[a.stage])
+            marks.append((a.stage, FORWARD if a.kind == FORWARD else BACKWARD, begin, watch.mark()))
+        last = watch.mark()
+        watch.wait()
+        for stage, kind, b, e in marks:
+            times.setdefault((stage, kind), []).append(watch.ms(b, e))
+        result = ScheduleRun({s: statistics.median(v) for (s, k), v in times.items() if k == FORWARD},
+                             {s: statistics.median(v) for (s, k), v in times.items() if k == BACKWARD},
+                             watch.ms(first, last), gib(peak(device)), peak_in_flight(order))
+    return result

@@ -1,0 +1,70 @@
+"""The communication model of the step-time estimate: bandwidths stated (``[step_time]`` config keys), bytes
+counted from the layout and the model, one cost formula per collective.
+
+Ranks are placed as torchtitan's mesh orders them (pp outermost, then dp_replicate, dp_shard, cp innermost):
+an FSDP group (dp_shard x cp) and an EP group (``ep`` ranks inside it) are consecutive ranks, pipeline peers
+are ``world / pp`` ranks apart. A group of ``g`` consecutive ranks spans ``ceil(g / gpus_per_node)`` nodes.
+
+- all-to-all of ``B`` bytes sent per rank (spread evenly over the group, itself included): the node-local
+  part over NVLink, the rest over the rank's own NIC, whichever takes longer, plus one latency;
+- all-gather / reduce-scatter of a tensor of ``S`` bytes (whole size) over ``g`` ranks: a ring moving
+  ``S (g - 1) / g`` per rank at the slowest link the group crosses, plus one latency;
+- point-to-point (pipeline): ``B`` bytes over NVLink or the NIC, plus one latency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Network:
+    nvlink_gb_per_s: float  # achieved, per GPU and direction, inside a node
+    internode_gb_per_s: float  # achieved, per GPU and direction, between nodes
+    gpus_per_node: int
+    latency_us: float  # fixed cost of each collective or transfer
+
+    def __post_init__(self) -> None:
+        if self.nvlink_gb_per_s <= 0 or self.internode_gb_per_s <= 0 or self.gpus_per_node < 1 or self.latency_us < 0:
+            raise ValueError(f"network: bandwidths must be > 0, gpus_per_node >= 1 and latency >= 0, got {self}")
+
+    @property
+    def latency(self) -> float:
+        return self.latency_us * 1e-6
+
+    def nodes(self, group: int) -> int:
+        """Nodes a group of ``group`` consecutive ranks spans."""
+        return math.ceil(group / self.gpus_per_node)
+
+    def all_to_all(self, bytes_sent: float, group: int) -> float:
+        if group <= 1 or bytes_sent <= 0:
+            return 0.0
+        local = min(group, self.gpus_per_node)
+        intra = bytes_sent * (local - 1) / group
+        inter = bytes_sent * (group - local) / group
+        return max(intra / (self.nvlink_gb_per_s * 1e9), inter / (self.internode_gb_per_s * 1e9)) + self.latency
+
+    def ring(self, tensor_bytes: float, group: int) -> float:
+        """An all-gather or a reduce-scatter of a whole tensor of ``tensor_bytes`` over ``group`` ranks."""
+        if group <= 1 or tensor_bytes <= 0:
+            return 0.0
+        bw = self.nvlink_gb_per_s if self.nodes(group) == 1 else self.internode_gb_per_s
+        return tensor_bytes * (group - 1) / group / (bw * 1e9) + self.latency
+
+    def point_to_point(self, nbytes: float, stride: int) -> float:
+        """``nbytes`` to a rank ``stride`` ranks away."""
+        if nbytes <= 0:
+            return 0.0
+        same_node = stride < self.gpus_per_node and self.gpus_per_node % max(1, stride) == 0
+        bw = self.nvlink_gb_per_s if same_node else self.internode_gb_per_s
+        return nbytes / (bw * 1e9) + self.latency
+
+    def describe(self) -> str:
+        return (f"NVLink {self.nvlink_gb_per_s:g} GB/s and inter-node {self.internode_gb_per_s:g} GB/s per GPU and "
+                f"direction, {self.gpus_per_node} GPUs per node, {self.latency_us:g} us per collective")
+
+
+def ep_all_to_all_bytes(tokens: int, top_k: int, latent: int, element_bytes: int = 2) -> float:
+    """Bytes one rank sends in one EP all-to-all of a MoE layer: its routed rows in the latent width."""
+    return float(tokens * top_k * latent * element_bytes)

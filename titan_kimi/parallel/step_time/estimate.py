@@ -1,0 +1,394 @@
+"""Step time of one layout: measured per-layer times (or the stated FLOP-rate fallback), the communication
+model, the pipeline schedule simulated at the recipe's microbatches, and only the overlap the implementation
+does. See docs/step_time_model.md for the equations and what overlaps.
+
+What runs where (torchtitan 0.2.2 + torch.distributed.pipelining as this project drives them):
+- the EP dispatch and combine (torchtitan's ExpertParallel) are synchronous inside the MoE forward: exposed,
+  2 all-to-alls in the forward, 2 in the backward, and 2 more when activation checkpointing recomputes it;
+- context-parallel exchanges are synchronous inside the layers: exposed (recomputed under checkpointing too);
+- FSDP2 prefetches the next unit's all-gather while a unit computes: only what a layer's compute cannot hide
+  is exposed. Under pipeline parallelism the units stay gathered for the step (gathered in the first
+  microbatch's forward) and the reduce-scatter runs after the rank's last backward (torch's REDUCE_GRAD
+  action): exposed in full. Without pipeline parallelism every microbatch gathers in the forward and again in
+  the backward, and reduce-scatters in the backward, each hidden behind one layer's compute where it can be;
+- pipeline sends are asynchronous; a stage waits for its input to arrive (latency + bytes / bandwidth);
+- DualPipeV's overlapped forward/backward pairs run one after the other (no overlap function is registered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_kimi.dtypes import DTYPES
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.layer_flops import LayerFlops, row_segments
+from titan_kimi.parallel.fsdp import reshard_after_forward
+from titan_kimi.parallel.layout import ParallelLayout
+from titan_kimi.parallel.pipeline_plan import PipelinePlan
+from titan_kimi.parallel.rank_slice.build import compute_dtype
+from titan_kimi.parallel.rank_slice.microbatch import DEFAULT_ROWS, doc_ids_for, image_grid, parse_rows
+from titan_kimi.parallel.stage_params import StageParams, count_stage_params, rank_bytes
+from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
+from titan_kimi.parallel.step_time.schedules import (StageTimes, Timeline, peak_in_flight, rank_orders, simulate,
+                                                     uses_split_backward)
+from titan_kimi.parallel.step_time.stage_work import StageWork, stage_work
+from titan_kimi.parallel.step_time.table import Table, ac_share, geometry_key
+
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the optimizer step's bound when no measured time per parameter exists
+OPTIMIZER_BYTES = 16  # per bf16 parameter: read weight, gradient, 2 moments; write weight, 2 moments (+ slack)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the estimate reads besides the layout: the network, the table, the expert load, the fallback."""
+
+    network: Network
+    table: Table
+    expert_load: str  # balanced | skewed (the table's non-balanced MoE measurements)
+    fallback_mfu: float
+    peak_flops: float
+    memory_gib: float
+
+
+@dataclass
+class StepEstimate:
+    layout: ParallelLayout
+    step_s: float
+    terms: dict[str, float]  # seconds on the critical rank by cause
+    tokens_per_s_per_gpu: float
+    mfu: float
+    memory_gib: float | None  # the fullest rank's
+    memory_note: str
+    compute_source: str  # "measured (<table>)" or the fallback's description
+    fsdp: str = ""  # how FSDP handles the gathered weights when it is not the default
+
+    @property
+    def dominant(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+
+def _scaled(f: LayerFlops, factor: float) -> LayerFlops:
+    return LayerFlops(f.forward * factor, f.backward_input * factor, f.backward_weight * factor)
+
+
+class StepTimeModel:
+    """The step time of layouts of one recipe (``cfg``, ``args``, its vision tower ``vision``)."""
+
+    def __init__(self, cfg, args: KimiK3ModelArgs, vision, settings: Settings,
+                 counts: dict[tuple[int, int], StageParams] | None = None) -> None:
+        self.cfg, self.args, self.vision, self.s = cfg, args, vision, settings
+        self._counts = {} if counts is None else counts  # per layer range, shared by with_config
+        self.geometry = geometry_key(args)
+        ac = cfg.activation_checkpoint
+        self.ac = ac_share(ac.mode, ac.selective_ac_option)
+        spec = cfg.step_time.rows or DEFAULT_ROWS[cfg.data.dataset]
+        try:
+            self.rows_layout = parse_rows(spec)
+            doc_ids_for(self.rows_layout, cfg.training.seq_len, self._image_tokens())
+        except ValueError as err:
+            raise ValueError(f"step_time.rows = {cfg.step_time.rows!r} (row layout {spec!r}): {err}; set "
+                             "step_time.rows to a layout that fits training.seq_len") from None
+        self.dtype = compute_dtype(cfg)
+
+    def with_config(self, cfg) -> "StepTimeModel":
+        """The same recipe under another layout's config (the parameter counts are shared)."""
+        return StepTimeModel(cfg, self.args, self.vision, self.s, self._counts)
+
+    def stage_counts(self, layer_range: tuple[int, int]) -> StageParams:
+        """Parameter counts of the stage holding ``layer_range`` (a meta-device build, once per range)."""
+        if layer_range not in self._counts:
+            from titan_kimi.training.build import build_meta_model
+
+            model = build_meta_model(self.args, DTYPES[self.cfg.model.dtype], freeze_indexer=self.cfg.model.freeze_indexer,
+                                     vision=self.vision, freeze_vision_tower=self.cfg.model.freeze_vision_tower,
+                                     layer_range=layer_range)
+            self._counts[layer_range] = count_stage_params(model)
+        return self._counts[layer_range]
+
+    # ------------------------------------------------------------------ work per microbatch
+    def _grids(self) -> list[tuple[int, int, int]]:
+        if self.rows_layout.kind != "medpix" or self.vision is None:
+            return []
+        return [image_grid(self.rows_layout.image, self.vision.patch_size, self.vision.merge_kernel)]
+
+    def _image_tokens(self) -> int:
+        kh, kw = self.vision.merge_kernel if self.vision is not None else (1, 1)
+        return sum(h // kh * (w // kw) for _, h, w in self._grids())
+
+    def _row(self, seq_len: int):
+        return doc_ids_for(self.rows_layout, seq_len, self._image_tokens()), self._grids()
+
+    def load_factor(self, ep: int) -> tuple[float, str]:
+        """Rows the busiest of ``ep`` EP ranks receives over the balanced share, under the load the table's
+        skewed MoE measurement used."""
+        if self.s.expert_load == "balanced" or ep == 1:
+            return 1.0, "balanced"
+        loads = {m.load for kind in ("kda+moe", "dsa+moe", "mla+moe")
+                 for m in self.s.table.entries(self.geometry, "layers", kind) if m.load != "balanced"}
+        if not loads:
+            raise ValueError("step_time.expert_load = 'skewed': the table holds no skewed MoE measurement "
+                             f"({self.s.table.missing or self.s.table.path}); valid: 'balanced'")
+        name = sorted(loads)[0]
+        from titan_kimi.parallel.rank_slice.expert_load import parse_load
+
+        a = self.args  # the factor does not depend on the tokens (beyond rounding): any microbatch will do
+        return parse_load(name, 4096, a.num_experts_per_tok, a.num_experts, ep).rank_factor, name
+
+    def works(self, layout: ParallelLayout, rows: int) -> dict[int, StageWork]:
+        """Model FLOPs of every stage for one microbatch of ``rows`` whole rows (all CP ranks together)."""
+        seq_len = self.cfg.training.seq_len
+        row, grids = self._row(seq_len)
+        doc = row.expand(rows, -1)
+        segments = row_segments(doc)
+        factor, _ = self.load_factor(layout.ep)
+        routed = int(rows * seq_len * self.args.num_experts_per_tok * factor)
+        plan = layout.pipeline
+        ranges = plan.ranges if plan is not None else ((0, self.args.n_layers),)
+        if plan is not None:
+            dense = False  # stages decide from the row length alone (PipelineStageModule passes no longest document)
+        else:
+            from titan_kimi.data.causal_keys import longest_document
+
+            dense = longest_document(doc) <= self.args.index_topk
+        return {s: stage_work(self.args, s, r, segments, routed_rows=routed, dsa_dense=dense and self.args.has_indexer,
+                              vision=self.vision, grids=grids * rows,
+                              tower_trained=not self.cfg.model.freeze_vision_tower)
+                for s, r in enumerate(ranges)}
+
+    def _times(self, work: StageWork, tokens: int, cp: int, ep: int) -> tuple[float, float, float, list[str]]:
+        """(forward, input-gradient, weight-gradient) seconds of one microbatch's compute on one rank of the
+        stage (``tokens`` local tokens, ``cp`` ranks sharing the rows), and notes."""
+        fwd = b_in = b_w = 0.0
+        notes: list[str] = []
+        _, load = self.load_factor(ep)
+
+        def lookup(section: str, kind: str, t: int, flops: LayerFlops, ac: float):
+            # the CP ranks share a microbatch's work evenly (zigzag), except the vision tower: each runs it whole
+            f = _scaled(flops, 1.0 if section == "vision" else 1.0 / cp)
+            got = self.s.table.time_ms(self.geometry, section, kind, t, f.forward, f.backward, ac, load)
+            if got is None:
+                rate = self.s.fallback_mfu * self.s.peak_flops
+                got = (f.forward / rate * 1e3, f.backward / rate * 1e3 + ac * f.forward / rate * 1e3)
+                notes.append(f"{section}/{kind}")
+            weight_share = f.backward_weight / f.backward if f.backward else 0.0
+            own = got[1] - ac * got[0]  # the recomputed forward belongs to the input half
+            return got[0] / 1e3, (got[1] - weight_share * own) / 1e3, weight_share * own / 1e3
+
+        parts = [("layers", kind, tokens, flops, self.ac) for _, kind, flops in work.layers]
+        if work.vision.total:
+            t, h, w = self._row(self.cfg.training.seq_len)[1][0]
+            parts.append(("vision", "vision", t * h * w, work.vision, 0.0))
+        if work.head.total:
+            parts.append(("head", "head", tokens, work.head, 0.0))
+        for section, kind, t, flops, ac in parts:
+            f, i, w = lookup(section, kind, t, flops, ac)
+            fwd, b_in, b_w = fwd + f, b_in + i, b_w + w
+        return fwd, b_in, b_w, notes
+
+    # ------------------------------------------------------------------ communication per microbatch
+    def _layer_comm(self, layout: ParallelLayout, layer_range: tuple[int, int], tokens: int) -> tuple[float, float, float]:
+        """(forward, backward) seconds of the exposed EP and CP exchanges of one microbatch on a stage, and the
+        EP share of the total."""
+        a, net = self.args, self.s.network
+        factor, _ = self.load_factor(layout.ep)
+        fwd = bwd = ep_total = 0.0
+        latent = a.moe_latent_dim or a.dim
+        one = net.all_to_all(ep_all_to_all_bytes(tokens, a.num_experts_per_tok, latent) * factor, layout.ep)
+        rows = layout.microbatch_size if layout.pipeline is not None else self.cfg.training.local_batch_size
+        whole = rows * self.cfg.training.seq_len  # the CP group's tokens
+        for layer in range(*layer_range):
+            if a.is_moe_layer(layer) and layout.ep > 1:
+                fwd += 2 * one
+                bwd += (2 + 2 * self.ac) * one
+                ep_total += (4 + 2 * self.ac) * one
+            if layout.cp > 1:
+                if a.is_kda_layer(layer):
+                    state = rows * a.kda_num_heads * a.kda_head_dim * a.kda_head_dim * 4 * 2 * layout.cp
+                    x = net.ring(state, layout.cp)
+                else:
+                    latent_cp = whole * (a.kv_lora_rank + a.qk_rope_head_dim) * 2
+                    keys = whole * a.index_head_dim * 2 if a.has_indexer else 0.0
+                    x = net.ring(latent_cp, layout.cp) + net.ring(keys, layout.cp)
+                fwd += x
+                bwd += x * (1 + self.ac)
+        return fwd, bwd, ep_total
+
+    def _boundary_bytes(self, layer: int, tokens: int) -> float:
+        """Hidden state and AttnRes bank crossing to the next stage after ``layer`` (and its gradient back)."""
+        block = self.args.attn_res_block_size
+        entries = layer // block if block else 0
+        return tokens * self.args.dim * 2 * (1 + entries)
+
+    # ------------------------------------------------------------------ the step
+    def estimate(self, layout: ParallelLayout) -> StepEstimate:
+        cfg, a, net = self.cfg, self.args, self.s.network
+        t = cfg.training
+        plan = layout.pipeline
+        rows = layout.microbatch_size if plan is not None else t.local_batch_size
+        global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * layout.dp
+        accum = global_batch // (t.local_batch_size * layout.dp)
+        n_micro = (t.local_batch_size // rows if plan is not None else 1) * accum
+        tokens = rows * t.seq_len // layout.cp
+        works = self.works(layout, rows)
+        ranges = plan.ranges if plan is not None else ((0, a.n_layers),)
+        keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=plan is not None)
+        wbytes = self.dtype.itemsize
+        reduce_bytes = DTYPES[t.reduce_dtype].itemsize  # parallelize passes reduce_dtype with or without mixed precision
+        times, first_forward, transfer, notes = {}, {}, {}, []
+        ep_per_stage, comm_f, comm_b, fsdp_end, fsdp_micro, gathers, layer_forward = {}, {}, {}, {}, {}, {}, {}
+        counts = {s: self.stage_counts(r) for s, r in enumerate(ranges)}
+        for s, work in works.items():
+            f, i, w, missing = self._times(work, tokens, layout.cp, layout.ep)
+            notes += missing
+            cf, cb, ep = self._layer_comm(layout, ranges[s], tokens)
+            comm_f[s], comm_b[s], ep_per_stage[s] = cf, cb, ep
+            gather, scatter = self._fsdp_units(layout, counts[s], len(work.layers), wbytes, reduce_bytes)
+            layer_f, layer_b = f / max(1, len(gather)), (i + w) / max(1, len(gather))
+            exposed_ag = _exposed(gather, layer_f)
+            gathers[s], layer_forward[s] = gather, layer_f
+            if keep:  # gathered in the first microbatch's forward; reduce-scattered after the last backward
+                first_forward[s], fsdp_end[s], fsdp_micro[s] = exposed_ag, sum(scatter), (0.0, 0.0)
+            else:  # every microbatch: gather in the forward, gather again and reduce-scatter in the backward
+                back = _exposed(gather, layer_b) + sum(max(0.0, x - layer_b) for x in scatter)
+                first_forward[s], fsdp_end[s], fsdp_micro[s] = 0.0, 0.0, (exposed_ag, back)
+            times[s] = StageTimes(f + cf + fsdp_micro[s][0], i + cb + fsdp_micro[s][1], w)
+            if plan is not None and s + 1 < plan.num_stages:
+                transfer[s] = net.point_to_point(self._boundary_bytes(ranges[s][1], tokens),
+                                                 layout.world_size // layout.pp)
+        if plan is None:
+            plan_used = PipelinePlan("GPipe", 1, 1, ranges)
+        else:
+            plan_used = plan
+        split = uses_split_backward(plan_used.schedule)
+        if not split:
+            times = {s: StageTimes(v.forward, v.backward_input + v.backward_weight, 0.0) for s, v in times.items()}
+        bare = simulate(plan_used, n_micro, times)  # the schedule alone: its bubble
+        if keep and cfg.parallelism.pipeline_prefetch_weights:
+            # every gather issued at the step's start: only what the wait for the first input cannot hide
+            arrived = simulate(plan_used, n_micro, times, transfer).first_forward_start
+            first_forward = {s: _exposed_after(gathers[s], layer_forward[s], arrived.get(s, 0.0)) for s in times}
+        timeline = simulate(plan_used, n_micro, times, transfer, first_forward)
+        gathered = simulate(plan_used, n_micro, times, first_forward=first_forward)  # + the first gathers' delays
+        # the step ends on the rank that finishes last: its timeline, its reduce-scatter, its optimizer step
+        ends = {}
+        for r in range(plan_used.pp):
+            stages = plan_used.stages_of_rank(r)
+            ends[r] = timeline.end[r] + sum(fsdp_end[s] for s in stages) + self._optimizer_s(
+                layout, [counts[s] for s in stages])
+        critical = max(ends, key=ends.get)
+        stages = plan_used.stages_of_rank(critical)
+        optimizer = self._optimizer_s(layout, [counts[s] for s in stages])
+        step = ends[critical] + 2 * net.latency  # the grad-norm and replicated-gradient all-reduces
+        per_micro = lambda values: sum(values[s] for s in stages) * n_micro
+        idle = lambda line: line.end[critical] - line.busy[critical]
+        # the first gathers delay the ranks downstream too: their waiting counts as FSDP's
+        fsdp = (sum(first_forward[s] + fsdp_end[s] for s in stages) + max(0.0, idle(gathered) - idle(bare))
+                + per_micro({s: sum(fsdp_micro[s]) for s in stages}))
+        ep_s = per_micro(ep_per_stage)
+        comm = per_micro({s: comm_f[s] + comm_b[s] for s in stages})
+        busy = per_micro({s: times[s].forward + times[s].backward_input + times[s].backward_weight for s in stages})
+        terms = {
+            "compute": busy - comm - per_micro({s: sum(fsdp_micro[s]) for s in stages}),
+            "EP all-to-all": ep_s,
+            "CP exchanges": comm - ep_s,
+            "pipeline bubble": idle(bare),
+            "PP transfers": max(0.0, idle(timeline) - max(idle(gathered), idle(bare))),
+            "FSDP (exposed)": fsdp,
+            "optimizer": optimizer,
+        }
+        step_flops = sum(w.total.total for w in works.values()) * n_micro * layout.dp
+        step_tokens = global_batch * t.seq_len
+        memory, memory_note = self._memory(layout, plan_used, n_micro, counts, tokens, keep)
+        source = (f"measured ({self.s.table.path.name}, {self.s.table.hardware})" if not notes else
+                  f"FLOP-rate fallback at {self.s.fallback_mfu:.0%} of peak for {sorted(set(notes))} "
+                  f"({self.s.table.missing or 'not in the table'}): not measured")
+        p = cfg.parallelism
+        fsdp = ", ".join(x for x in (f"reshard_after_forward {p.fsdp_reshard_after_forward}"
+                                     if p.fsdp_reshard_after_forward != "default" else "",
+                                     "weights prefetched" if p.pipeline_prefetch_weights else "") if x)
+        return StepEstimate(layout, step, terms, step_tokens / step / layout.world_size,
+                            step_flops / step / layout.world_size / self.s.peak_flops, memory, memory_note, source,
+                            fsdp)
+
+    def _fsdp_units(self, layout: ParallelLayout, c: StageParams, layers: int, wbytes: int,
+                    reduce_bytes: int) -> tuple[list[float], list[float]]:
+        """Seconds of each FSDP unit's all-gather and of its gradients' reduce-scatter (the local experts are
+        units of their own when efsdp > 1)."""
+        net = self.s.network
+        units = [(u, u * c.dense / max(1, c.dense + c.dense_frozen)) for u in c.units]
+        if layout.efsdp > 1 and layers:
+            local = (c.experts + c.experts_frozen) / layout.ep / layers
+            units += [(local, c.experts / layout.ep / layers)] * layers
+        gather = [net.ring(u * wbytes, layout.fsdp if i < len(c.units) else layout.efsdp)
+                  for i, (u, _) in enumerate(units)]
+        scatter = [net.ring(g * reduce_bytes, layout.fsdp if i < len(c.units) else layout.efsdp)
+                   for i, (_, g) in enumerate(units)]
+        return gather, scatter
+
+    def _optimizer_s(self, layout: ParallelLayout, counts: list[StageParams]) -> float:
+        params = sum((c.dense + c.experts) / layout.fsdp + c.fp32 for c in counts)
+        measured = self.s.table.value("optimizer_ns_per_param") or {}
+        key = f"{self.cfg.optimizer.implementation}/{self.cfg.optimizer.state_dtype}/{self.dtype}"
+        ns = measured.get(key) or (next(iter(measured.values())) if measured else None)
+        if ns is not None:
+            return params * ns * 1e-9
+        return params * OPTIMIZER_BYTES / HBM_BYTES_PER_S
+
+    def _memory(self, layout: ParallelLayout, plan: PipelinePlan, n_micro: int, counts: dict[int, StageParams],
+                tokens: int, keep: bool) -> tuple[float | None, str]:
+        """The fullest rank's GiB: its parameters' bytes (``stage_params.rank_bytes``) + the activations its
+        schedule holds (full checkpointing: each layer's inputs and the block banks per microbatch in flight)
+        + the largest measured transient of one layer's recompute and backward."""
+        a, cfg = self.args, self.cfg
+        orders = rank_orders(plan, n_micro) if plan.pp > 1 else {0: []}
+        worst, note = 0.0, ""
+        state = DTYPES[cfg.optimizer.state_dtype].itemsize
+        for r in range(plan.pp):
+            stages = plan.stages_of_rank(r)
+            held = sum(rank_bytes(counts[s], fsdp=layout.fsdp, efsdp=layout.efsdp, weight_bytes=self.dtype.itemsize,
+                                  state_bytes=state, keep_gathered=keep,
+                                  reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize).total for s in stages)
+            flight = peak_in_flight(orders[r]) if plan.pp > 1 else {stages[0]: 1}
+            acts = 0.0
+            for s in stages:
+                first, last = plan.ranges[s]
+                if cfg.activation_checkpoint.mode != "full":
+                    return None, (f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode}: activations are "
+                                  "modelled for full checkpointing only (use job.estimate_activations)")
+                block = a.attn_res_block_size
+                banks = sum((l // block) for l in range(first, last) if block and l % block == 0)
+                per_micro = tokens * a.dim * 2 * ((last - first) + 1 + banks)
+                acts += flight.get(s, 1) * per_micro
+            transient = self._transient(tokens)
+            total = (held + acts) / 2**30 + (transient or 0.0)
+            if total > worst:
+                worst = total
+                note = ("" if transient is not None else
+                        "without a measured table the transient of a layer's recompute is not counted")
+        return worst, note
+
+    def _transient(self, tokens: int) -> float | None:
+        """GiB above the saved activations while one layer recomputes and runs its backward: the largest
+        measured peak of a block under this checkpointing, scaled to ``tokens``."""
+        peaks = [r["peak_gib"] * tokens / r["tokens"]
+                 for rows in self.s.table.raw(self.geometry, "layers").values() for r in rows
+                 if r.get("peak_gib") is not None and r.get("tokens") and r.get("ac") == self.ac]
+        return max(peaks) if peaks else None
+
+
+def _exposed_after(gathers: list[float], layer_compute: float, wait: float) -> float:
+    """The gathers all issued at time 0, back to back; unit i computes once they are done and not before the
+    stage's input arrived (``wait``) plus i layers of compute: how much later the stage's first forward ends."""
+    done, worst = 0.0, 0.0
+    for i, g in enumerate(gathers):
+        done += g
+        worst = max(worst, done - (wait + i * layer_compute))
+    return worst
+
+
+def _exposed(gathers: list[float], layer_compute: float) -> float:
+    """What FSDP's one-unit prefetch cannot hide: the first unit's gather, then whatever of each next unit's
+    gather is longer than one layer's compute."""
+    if not gathers:
+        return 0.0
+    return gathers[0] + sum(max(0.0, g - layer_compute) for g in gathers[1:])

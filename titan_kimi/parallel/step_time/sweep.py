@@ -1,0 +1,104 @@
+"""The layouts a GPU count allows for a recipe, each estimated, and the fastest that fits.
+
+Candidates keep the recipe's global batch, sequence length, model and activation checkpointing, and vary
+pipeline degree and schedule, context parallelism, expert parallelism and the microbatch size (dp_shard takes
+the ranks left, dp_replicate stays 1). Whether one is valid is decided where the trainer decides it: the config
+rules (``validate_job_config`` at that world size) and ``resolve_layout``; nothing is re-checked here.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from titan_kimi.config.validation import validate_job_config
+from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
+from titan_kimi.parallel.step_time.estimate import StepEstimate, StepTimeModel
+
+PIPELINE_DEGREES = (1, 2, 4, 8)
+CONTEXT_DEGREES = (1, 2, 4)
+EXPERT_DEGREES = (8, 16, 32, 64, 128)  # with the configured one: below 8 the experts' gathers dominate
+MICROBATCH_SIZES = (1, 2, 4)
+SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass
+class Candidate:
+    cfg: object
+    layout: ParallelLayout
+
+
+def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int, schedule: str,
+            fsdp: tuple[str, bool] | None = None):
+    """``cfg`` with these degrees at ``world_size`` GPUs (the recipe's global batch spread over the data-parallel
+    ranks), or None when the batch does not spread. ``fsdp``: (fsdp_reshard_after_forward,
+    pipeline_prefetch_weights); None keeps the recipe's (the prefetch only under pipeline parallelism)."""
+    t = cfg.training
+    dp = world_size // (pp * cp)
+    global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+    if world_size % (pp * cp) or global_batch % dp:
+        return None
+    p = cfg.parallelism
+    reshard, prefetch = fsdp or (p.fsdp_reshard_after_forward, p.pipeline_prefetch_weights and pp > 1)
+    out = copy.copy(cfg)  # the sections that change are new objects; the others are shared
+    out.parallelism = dataclasses.replace(
+        cfg.parallelism, pipeline_parallel_degree=pp, context_parallel_degree=cp, expert_parallel_degree=ep,
+        data_parallel_shard_degree=-1, data_parallel_replicate_degree=1,
+        pipeline_parallel_schedule=schedule if pp > 1 else "1F1B", pipeline_parallel_stages_per_rank=0,
+        pipeline_parallel_split=[], pipeline_parallel_microbatch_size=microbatch if pp > 1 else 1,
+        fsdp_reshard_after_forward=reshard, pipeline_prefetch_weights=prefetch)
+    out.training = dataclasses.replace(cfg.training, local_batch_size=global_batch // dp,
+                                       global_batch_size=global_batch)
+    out.job = dataclasses.replace(cfg.job, world_size=world_size)
+    return out
+
+
+def candidates(cfg, args, world_size: int, *, image_text: bool = False) -> tuple[list[Candidate], int]:
+    """The valid layouts of ``world_size`` GPUs, and how many were rejected by the trainer's checks."""
+    found, rejected, seen = [], 0, set()
+    experts = sorted({*EXPERT_DEGREES, cfg.parallelism.expert_parallel_degree})
+    # the trainer refuses context parallelism for an image-text model when it builds (Trainer's check of unbuilt
+    # combinations), after the config and layout checks
+    contexts = (1,) if image_text else CONTEXT_DEGREES
+    for pp in PIPELINE_DEGREES:
+        for cp in contexts:
+            for ep in experts:
+                for mb, schedule, fsdp in _pipelines(cfg, pp):
+                    c = variant(cfg, world_size, pp=pp, cp=cp, ep=ep, microbatch=mb, schedule=schedule, fsdp=fsdp)
+                    if c is None:
+                        continue
+                    try:  # the layout's own checks first: they are the cheaper ones
+                        layout = resolve_layout(c.parallelism, world_size, args,
+                                                local_batch_size=c.training.local_batch_size,
+                                                seq_len=c.training.seq_len)
+                        validate_job_config(c, None, world_size, check_registry=False)
+                    except ValueError:
+                        rejected += 1
+                        continue
+                    key = (layout.describe(), fsdp)
+                    if key not in seen:
+                        seen.add(key)
+                        found.append(Candidate(c, layout))
+    return found, rejected
+
+
+def _pipelines(cfg, pp: int) -> list[tuple[int, str, tuple[str, bool]]]:
+    """(microbatch size, schedule, FSDP handling) of a pipeline degree: under pipeline parallelism the recipe's
+    FSDP setting, with the weight prefetch, and regathering every microbatch (``always``: less memory)."""
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    if pp == 1:
+        return [(1, "1F1B", (reshard, False))]
+    kept = [(reshard, False), (reshard, True)] if reshard != "always" else [(reshard, False)]
+    fsdp = [*kept, ("always", False)] if reshard != "always" else kept
+    return [(mb, s, f) for mb in MICROBATCH_SIZES for s in SCHEDULES for f in fsdp]
+
+
+def sweep(model: StepTimeModel, world_size: int) -> tuple[list[StepEstimate], int]:
+    """Every valid layout of ``world_size`` GPUs estimated, fastest first; and the count rejected."""
+    found, rejected = candidates(model.cfg, model.args, world_size, image_text=model.vision is not None)
+    estimates = []
+    for c in found:
+        estimates.append(model.with_config(c.cfg).estimate(c.layout))
+    estimates.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    return estimates, rejected

@@ -1,0 +1,146 @@
+"""The measured per-layer table the step-time estimate reads (``step_time_h200.json`` beside this package,
+written by ``scripts/bench/rank_slice.py``; never by hand), and how the estimate looks a layer up in it.
+
+Entries are keyed by the model geometry (``geometry_key``) and the layer kind (``stage_work.layer_kind``); each
+holds one measurement: tokens of the microbatch, the activation-checkpointing mode, the expert load, forward
+and backward ms and the model FLOPs of both. A lookup at another token count takes the achieved FLOP rate of
+the nearest measured token counts (interpolated on log tokens; constant beyond the ends) and divides the
+wanted FLOPs by it. A lookup under another checkpointing mode moves one forward in or out of the backward
+(full recomputes the whole layer; none recomputes nothing; selective ``op`` is counted as half a forward).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+
+SHIPPED_TABLE = Path(__file__).resolve().parent.parent / "step_time_h200.json"
+FORMAT = 1
+RECOMPUTE_SHARE = {"none": 0.0, "full": 1.0, "selective": 0.5}  # forwards recomputed inside the backward
+
+
+def geometry_key(args: KimiK3ModelArgs) -> str:
+    """The model widths that decide a layer's speed (not its depth)."""
+    a = args
+    return (f"dim{a.dim}-kda{a.kda_num_heads}x{a.kda_head_dim}-mla{a.n_heads}-q{a.q_lora_rank}-kv{a.kv_lora_rank}"
+            f"-idx{a.index_n_heads}x{a.index_head_dim}k{a.index_topk}-moe{a.num_experts}top{a.num_experts_per_tok}"
+            f"x{a.moe_inter_dim}-lat{a.moe_latent_dim}-sh{a.num_shared_experts}-dense{a.inter_dim}"
+            f"-vocab{a.vocab_size}")
+
+
+def ac_share(mode: str, option: str = "op") -> float:
+    """Forwards recomputed in the backward by activation-checkpointing ``mode`` (every N-th block: 1/N)."""
+    if mode == "selective" and option != "op":
+        return 1.0 / int(option)
+    return RECOMPUTE_SHARE[mode]
+
+
+@dataclass(frozen=True)
+class Measured:
+    tokens: int
+    forward_ms: float
+    backward_ms: float
+    forward_flops: float
+    backward_flops: float
+    ac: float  # forwards recomputed inside backward_ms
+    load: str
+
+    @property
+    def forward_rate(self) -> float:
+        return self.forward_flops / self.forward_ms if self.forward_ms else 0.0
+
+    @property
+    def backward_rate(self) -> float:
+        """FLOP/ms of the backward itself (its recomputed forward taken out at the forward's rate)."""
+        own = self.backward_ms - self.ac * self.forward_ms
+        return self.backward_flops / own if own > 0 and self.backward_flops else 0.0
+
+
+class Table:
+    """A loaded table (``path``), or none: ``missing`` says why, and every lookup returns None."""
+
+    def __init__(self, data: dict[str, Any] | None, path: Path, missing: str = "") -> None:
+        self.data, self.path, self.missing = data, path, missing
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> "Table":
+        p = Path(path) if path else SHIPPED_TABLE
+        if not p.is_file():
+            return cls(None, p, f"no measured table at {p} (scripts/bench/rank_slice.py writes it on a GPU)")
+        data = json.loads(p.read_text())
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"{p}: not a step-time table of format {FORMAT}; regenerate it with "
+                             "scripts/bench/rank_slice.py")
+        return cls(data, p)
+
+    @property
+    def hardware(self) -> str:
+        return self.data.get("hardware", "?") if self.data else "none"
+
+    def raw(self, geometry: str, section: str) -> dict[str, list[dict[str, Any]]]:
+        """The stored records of one section of one geometry, by kind."""
+        if not self.data:
+            return {}
+        return self.data.get("geometries", {}).get(geometry, {}).get(section, {})
+
+    def entries(self, geometry: str, section: str, kind: str) -> list[Measured]:
+        rows = self.raw(geometry, section).get(kind, [])
+        return [Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"],
+                         r["ac"], r["load"]) for r in rows]
+
+    def time_ms(self, geometry: str, section: str, kind: str, tokens: int, forward_flops: float,
+                backward_flops: float, ac: float, load: str = "balanced") -> tuple[float, float] | None:
+        """(forward ms, backward ms incl. ``ac`` recomputed forwards) of ``kind`` at ``tokens`` with these
+        FLOPs, from the rates measured nearest in tokens under load ``load`` (else balanced); None if the kind
+        was never measured for this geometry."""
+        found = self.entries(geometry, section, kind)
+        chosen = [m for m in found if m.load == load] or [m for m in found if m.load == "balanced"] or found
+        if not chosen:
+            return None
+        fwd_rate = _interpolate(chosen, tokens, lambda m: m.forward_rate)
+        bwd_rate = _interpolate(chosen, tokens, lambda m: m.backward_rate)
+        fwd = forward_flops / fwd_rate if fwd_rate else 0.0
+        bwd = backward_flops / bwd_rate if bwd_rate else 0.0
+        return fwd, bwd + ac * fwd
+
+    def value(self, *keys: str) -> Any:
+        node: Any = self.data or {}
+        for k in keys:
+            node = node.get(k) if isinstance(node, dict) else None
+        return node
+
+
+def _interpolate(points: list[Measured], tokens: int, rate) -> float:
+    pts = sorted({m.tokens: rate(m) for m in points if rate(m) > 0}.items())
+    if not pts:
+        return 0.0
+    if tokens <= pts[0][0]:
+        return pts[0][1]
+    if tokens >= pts[-1][0]:
+        return pts[-1][1]
+    for (t0, r0), (t1, r1) in zip(pts, pts[1:]):
+        if t0 <= tokens <= t1:
+            w = (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
+            return r0 + w * (r1 - r0)
+    return pts[-1][1]
+
+
+def merge_entries(table: dict[str, Any] | None, geometry: str, section: str, kind: str, entry: dict[str, Any],
+                  *, hardware: str, peak_flops: float) -> dict[str, Any]:
+    """``table`` (or a new one) with ``entry`` added under ``geometry / section / kind``, replacing an entry of
+    the same tokens, checkpointing, load and rows."""
+    out = table if table else {"format": FORMAT, "hardware": hardware, "peak_flops": peak_flops, "runs": [],
+                               "geometries": {}}
+    if out.get("hardware") != hardware:
+        raise ValueError(f"the table holds {out.get('hardware')} measurements; this run is on {hardware}: "
+                         "write another table file")
+    kinds = out["geometries"].setdefault(geometry, {}).setdefault(section, {})
+    same = ("tokens", "ac", "load", "rows")
+    kinds[kind] = [e for e in kinds.get(kind, []) if any(e.get(k) != entry.get(k) for k in same)] + [entry]
+    return out
