@@ -1,4 +1,5 @@
-"""Time one rank's share of a recipe and layout (per layer kind, and its whole schedule with peak memory):
+"""One rank's share of a recipe and layout, timed: python scripts/bench/rank_slice.py --config RECIPE --out DIR
+(per layer kind, and its whole schedule with peak memory), e.g.
 python scripts/bench/rank_slice.py --config train_configs/k31.toml --world-size 256 --out DIR [--parts ...]
 [--stage N] [--loads balanced zipf:0.3] [config overrides such as --parallelism.pipeline_parallel_degree 4].
 
