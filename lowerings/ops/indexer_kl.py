@@ -1,7 +1,7 @@
 """Indexer distillation (K3.1 indexer training): the KL from the main attention to the indexer's softmax.
 
 Ops (``torch.ops.titan_kimi.*``; math and notation in ``lowerings/ops/indexer_kl_reference.py``, contracts in
-docs/ops.md), backend ``kernels.indexer_kl``:
+docs/ops.md), backend ``kernels.indexer_distillation``:
 
 * ``indexer_sparse_target``: the head-summed, L1-normalised main-attention probabilities at the selected keys,
   from the sparse-MLA forward's queries, latent keys and per-head LSE (no gradient);
@@ -22,12 +22,12 @@ from lowerings.ops.indexer_kl_reference import (attention_lse_reference, dense_k
                                                 scores_at_reference, sparse_target_reference)
 from lowerings.ops.registry import cuda_available, op_backends, selected_backend
 
-BACKENDS = op_backends("indexer_kl")
+BACKENDS = op_backends("indexer_distillation")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
 
 
 def _triton(t: torch.Tensor) -> bool:
-    return selected_backend("indexer_kl") == "triton" and t.is_cuda
+    return selected_backend("indexer_distillation") == "triton" and t.is_cuda
 
 
 # ---------------------------------------------------------------- selected keys

@@ -22,7 +22,8 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2}
 
 def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range) -> tuple[int, float, float]:
     """(parameters on one rank, GiB of states per rank, GiB of gathered weights in flight) for one stage."""
-    model = build_meta_model(args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer,
+    model = build_meta_model(args, DTYPES[cfg.model.dtype], indexer_mode=cfg.indexer.mode,
+                             warmup_trains=cfg.indexer.warmup_trains,
                              layer_range=layer_range)
     keep = fp32_parameter_names(model)
     state = DTYPES[cfg.optimizer.state_dtype]
