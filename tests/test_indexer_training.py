@@ -153,3 +153,34 @@ def test_recall_is_the_main_attention_mass_inside_the_top_k_over_queries_with_mo
     assert queries == int((DOC_IDS != 0).sum())
     assert mass_sum == pytest.approx(float(torch.cat(masses).sum()), rel=1e-5)
     assert kl_sum > 0 and 0 < mass_sum / counted < 1
+
+
+@pytest.mark.parametrize("mode", ["warmup", "sparse"])
+def test_dsa_block_with_a_training_indexer_compiles_fullgraph_and_matches_eager(mode):
+    """Zero graph breaks (recall measured too), and the compiled block's output and indexer gradients are
+    eager's."""
+    from lowerings.inductor.graph_breaks import count_graph_breaks
+    from titan_kimi.models.kimi_k3.block import KimiK3Block
+
+    torch.manual_seed(0)
+    args = model_args_for("k31_debug", index_training=mode)
+    block = KimiK3Block(3, args)  # DSA + MoE, the first layer of the second AttnRes block
+    block.init_weights()
+    hidden = torch.randn(2, 40, args.dim, requires_grad=True)
+    bank = torch.randn(80, 1, args.dim)
+    seq = build_sequence_info(2, 40, hidden.device, DOC_IDS)
+    seq.indexer_metrics = True
+    assert count_graph_breaks(block, hidden, bank, seq).breaks == 0
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, backend="aot_eager")):
+        block.zero_grad(set_to_none=True)
+        block.attention.indexer.distillation_stats.zero_()
+        out, _ = fn(hidden, bank, seq)
+        out.sum().backward()
+        grads = {n: p.grad.clone() for n, p in block.attention.indexer.named_parameters()}
+        results.append((out.detach(), grads, block.attention.indexer.distillation_stats.clone()))
+    (out, grads, stats), (out_c, grads_c, stats_c) = results
+    assert torch.allclose(out_c, out, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(stats_c, stats, rtol=1e-5)
+    for name in grads:
+        assert torch.allclose(grads_c[name], grads[name], rtol=1e-4, atol=1e-8), name

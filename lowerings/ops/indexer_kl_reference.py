@@ -15,8 +15,6 @@ rows can reach.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 CHUNK_BYTES = 1 << 28
@@ -111,16 +109,24 @@ def attention_lse_reference(q: torch.Tensor, kv: torch.Tensor, seg_start: torch.
     return torch.cat(out) if out else q.new_zeros((0, H), dtype=torch.float32)
 
 
-def _dense_chunk(iq, ik, iw, q, kv, lse, seg_start, rows, q_offset, index_scale, scale):
-    """(p, valid, window) of one row chunk, and the function of (iq rows, ik window, iw rows) giving I."""
+def _dense_chunk(q, kv, lse, seg_start, rows, q_offset, scale):
+    """(p, valid, key window) of one row chunk."""
     lo, hi = _key_window(seg_start, rows, q_offset)
     valid = _dense_mask(seg_start, rows, lo, hi, q_offset)
-    p = normalise(_head_mass(q[rows], kv[lo:hi], lse[rows], scale, valid, "thd,sd->ths"))
+    return normalise(_head_mass(q[rows], kv[lo:hi], lse[rows], scale, valid, "thd,sd->ths")), valid, slice(lo, hi)
 
-    def scores(iq_rows, ik_window, iw_rows):
-        return _indexer_scores(iq_rows, ik_window, iw_rows, index_scale, "thd,sd->ths")
 
-    return p, valid, slice(lo, hi), scores
+def _scores_backward(d_scores: torch.Tensor, iq: torch.Tensor, keys: torch.Tensor, iw: torch.Tensor,
+                     index_scale: float, per_query_keys: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of sum d_scores * I in (iq, keys, iw), written out (op bodies run below autograd, and a compile
+    may run a backward op inside the forward graph, where torch.func transforms cannot reach the storage):
+    I = sum_h w_h relu(l_h), l_h = index_scale q_h.k; dw_h = sum_s dI relu(l_h); dl_h = dI w_h [l_h > 0]."""
+    eq_l, eq_q, eq_k = (("thd,tkd->thk", "thk,tkd->thd", "thk,thd->tkd") if per_query_keys
+                        else ("thd,sd->ths", "ths,sd->thd", "ths,thd->sd"))
+    logits = torch.einsum(eq_l, iq.float(), keys.float()) * index_scale
+    d_w = (d_scores.unsqueeze(1) * torch.relu(logits)).sum(-1)
+    d_logits = d_scores.unsqueeze(1) * iw.float().unsqueeze(-1) * (logits > 0) * index_scale
+    return torch.einsum(eq_q, d_logits, keys.float()), torch.einsum(eq_k, d_logits, iq.float()), d_w
 
 
 def dense_kl_reference(iq, ik, iw, q, kv, lse, seg_start, q_offset: int, index_scale: float,
@@ -130,26 +136,25 @@ def dense_kl_reference(iq, ik, iw, q, kv, lse, seg_start, q_offset: int, index_s
     per_row = 4 * max(q.shape[1], iq.shape[1]) * (q_offset + T)
     out = []
     for rows in _row_chunks(T, per_row):
-        p, valid, window, scores = _dense_chunk(iq, ik, iw, q, kv, lse, seg_start, rows, q_offset, index_scale, scale)
-        out.append(row_kl(p, scores(iq[rows], ik[window], iw[rows]), valid))
+        p, valid, window = _dense_chunk(q, kv, lse, seg_start, rows, q_offset, scale)
+        scores = _indexer_scores(iq[rows], ik[window], iw[rows], index_scale, "thd,sd->ths")
+        out.append(row_kl(p, scores, valid))
     return torch.cat(out) if out else q.new_zeros((0,), dtype=torch.float32)
 
 
 def dense_kl_backward_reference(grad: torch.Tensor, iq, ik, iw, q, kv, lse, seg_start, q_offset: int,
                                 index_scale: float, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of sum_t grad[t] KL_t in iq, ik, iw: per chunk dKL/dI = grad (softmax(I) - p), then the scores'
-    vector-Jacobian product (recomputed; ``torch.func.vjp``, as op bodies run below autograd)."""
+    """Gradients of sum_t grad[t] KL_t in iq, ik, iw: per chunk dKL/dI = grad (softmax(I) - p) at the valid keys,
+    then the scores' gradients (recomputed)."""
     T = q.shape[0]
-    diq, dik, diw = torch.zeros_like(iq, dtype=torch.float32), torch.zeros_like(ik, dtype=torch.float32), \
-        torch.zeros_like(iw, dtype=torch.float32)
+    diq, dik, diw = (torch.zeros_like(t, dtype=torch.float32) for t in (iq, ik, iw))
     per_row = 4 * max(q.shape[1], iq.shape[1]) * (q_offset + T)
     for rows in _row_chunks(T, per_row):
-        p, valid, window, scores = _dense_chunk(iq, ik, iw, q, kv, lse, seg_start, rows, q_offset, index_scale, scale)
-        with torch.enable_grad():
-            values, vjp = torch.func.vjp(scores, iq[rows].float(), ik[window].float(), iw[rows].float())
-        soft = torch.softmax(values.masked_fill(~valid, float("-inf")), dim=-1)
+        p, valid, window = _dense_chunk(q, kv, lse, seg_start, rows, q_offset, scale)
+        scores = _indexer_scores(iq[rows], ik[window], iw[rows], index_scale, "thd,sd->ths")
+        soft = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
         d_scores = torch.where(valid, grad[rows].float().unsqueeze(-1) * (soft - p), torch.zeros_like(p))
-        g_q, g_k, g_w = vjp(d_scores)
+        g_q, g_k, g_w = _scores_backward(d_scores, iq[rows], ik[window], iw[rows], index_scale, False)
         diq[rows] += g_q
         dik[window] += g_k
         diw[rows] += g_w
@@ -159,8 +164,14 @@ def dense_kl_backward_reference(grad: torch.Tensor, iq, ik, iw, q, kv, lse, seg_
 def scores_at_backward_reference(d_scores: torch.Tensor, iq, ik, iw, idx, index_scale: float
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of sum d_scores * I(idx) in iq, ik, iw (-1 slots contribute nothing)."""
-    fn: Callable = lambda a, b, c: scores_at_reference(a, b, c, idx, index_scale)
-    with torch.enable_grad():
-        _, vjp = torch.func.vjp(fn, iq.float(), ik.float(), iw.float())
-    g_q, g_k, g_w = vjp(torch.where(idx >= 0, d_scores.float(), torch.zeros_like(d_scores, dtype=torch.float32)))
-    return g_q.to(iq.dtype), g_k.to(ik.dtype), g_w.to(iw.dtype)
+    T, HI, Di = iq.shape
+    diq, dik, diw = (torch.zeros_like(t, dtype=torch.float32) for t in (iq, ik, iw))
+    for rows in _row_chunks(T, 4 * idx.shape[1] * (HI + Di)):
+        sel = idx[rows]
+        keys = ik[sel.long().clamp(min=0)]
+        d = torch.where(sel >= 0, d_scores[rows].float(), torch.zeros_like(d_scores[rows], dtype=torch.float32))
+        g_q, g_k, g_w = _scores_backward(d, iq[rows], keys, iw[rows], index_scale, True)
+        diq[rows] = g_q
+        diw[rows] = g_w
+        dik.index_add_(0, sel.long().clamp(min=0).reshape(-1), g_k.reshape(-1, Di))
+    return diq.to(iq.dtype), dik.to(ik.dtype), diw.to(iw.dtype)
