@@ -265,8 +265,10 @@ class Trainer:
             logger.info("resumed from %s at step %d", self.checkpointer.step_dir(restored), restored)
         elif cfg.initial_load_path:
             for part in self.model_parts:
-                fmt = load_model_weights(part, cfg.initial_load_path)
-            logger.info("initial weights from %s (%s)", cfg.initial_load_path, fmt)
+                fmt = load_model_weights(part, cfg.initial_load_path, indexer_optional=self.cfg.model.add_indexer)
+            logger.info("initial weights from %s (%s)%s", cfg.initial_load_path, fmt,
+                        "; model.add_indexer: an indexer it lacks keeps its fresh initialisation"
+                        if self.cfg.model.add_indexer else "")
         if restored is None and self.cfg.lora.adapter_path:  # a resumed run has its adapters in the checkpoint
             filled = load_adapters(self.model_parts, self.cfg.lora.adapter_path, group=self._pp_group())
             logger.info("LoRA adapters from %s (%d factors)", self.cfg.lora.adapter_path, len(filled))

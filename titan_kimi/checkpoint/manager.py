@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RankLocal, RNGState, global_rank
 from titan_kimi.checkpoint.finite import check_finite_parameters
-from titan_kimi.checkpoint.model_identity import (check_model_args, check_saved_keys, read_model_args,
-                                                  write_model_args, write_vision_args)
+from titan_kimi.checkpoint.model_identity import (check_model_args, check_same_indexer_training, check_saved_keys,
+                                                  read_model_args, write_model_args, write_vision_args)
 from titan_kimi.checkpoint.storage_errors import describe_write_failure
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
@@ -414,6 +414,8 @@ class CheckpointManager:
                 saved_args = read_model_args(path)
                 if saved_args is not None:
                     check_model_args(saved_args, args, f"checkpoint {path}", remedy=_REMEDY)
+                    if any(isinstance(v, OptimizerState) for v in state.values()):
+                        check_same_indexer_training(saved_args, args, path)
                 check_saved_keys((k[len(prefix):] for k in saved if k.startswith(prefix)), args,
                                  f"checkpoint {path}", remedy=_REMEDY,
                                  vision=getattr(value.parts[0], "vision_args", None))

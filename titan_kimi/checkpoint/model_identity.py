@@ -93,6 +93,18 @@ def check_model_args(saved: KimiK3ModelArgs, current: KimiK3ModelArgs, source: s
                          f"{'s' if len(diffs) > 1 else ''} differ):\n  " + "\n  ".join(diffs) + f"\n{remedy}")
 
 
+def check_same_indexer_training(saved: KimiK3ModelArgs, current: KimiK3ModelArgs, step_dir: str | Path) -> None:
+    """A resume keeps ``indexer.mode``: the optimizer state of a run covers the weights its mode trains. Another
+    stage starts from the weights alone."""
+    if saved.index_training != current.index_training:
+        raise ValueError(
+            f"checkpoint {step_dir} was saved with indexer.mode = {saved.index_training!r}, and this run has "
+            f"{current.index_training!r}: its optimizer state covers the weights the other mode trains. Resume "
+            f"with indexer.mode = {saved.index_training!r}, or start the {current.index_training!r} stage from its "
+            f"weights (a fresh optimizer and schedule): checkpoint.initial_load_path = {str(step_dir)!r} with "
+            f"another checkpoint.folder or job.dump_folder")
+
+
 @functools.lru_cache(maxsize=8)
 def _full_model_keys(args_json: str, vision_json: str | None) -> frozenset[str]:
     from titan_kimi.models.kimi_k3.model import KimiK3Model

@@ -179,6 +179,10 @@ class KimiK3ModelArgs(BaseModelArgs):
     def num_attn_res_blocks(self) -> int:
         return -(-self.n_layers // self.attn_res_block_size) if self.attn_res_block_size else 0
 
+    def without_indexer(self) -> "KimiK3ModelArgs":
+        """The same model as K3: no indexer (so none to train)."""
+        return self.replace(index_n_heads=0, index_training="frozen")
+
     def replace(self, **changes: Any) -> "KimiK3ModelArgs":
         if "n_layers" in changes and "kda_layers" not in changes and "full_attn_layers" not in changes:
             changes.update(kda_layers=(), full_attn_layers=())
