@@ -35,7 +35,7 @@ def _triton(t: torch.Tensor) -> bool:
 def sparse_target_op(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor,
                      scale: float) -> torch.Tensor:
     if _triton(q):
-        from lowerings.kernels.indexer_kl_sparse import sparse_target
+        from lowerings.kernels.indexer_kl import sparse_target
 
         return sparse_target(q, kv, lse, idx, scale)
     return sparse_target_reference(q, kv, lse, idx, scale)
@@ -50,7 +50,7 @@ def _(q, kv, lse, idx, scale):
 def scores_at_op(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, idx: torch.Tensor,
                  index_scale: float) -> torch.Tensor:
     if _triton(iq):
-        from lowerings.kernels.indexer_kl_sparse import scores_at
+        from lowerings.kernels.indexer_kl import scores_at
 
         return scores_at(iq, ik, iw, idx, index_scale)
     return scores_at_reference(iq, ik, iw, idx, index_scale)
@@ -65,9 +65,9 @@ def _(iq, ik, iw, idx, index_scale):
 def scores_at_backward_op(d_scores: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor,
                           idx: torch.Tensor, index_scale: float) -> list[torch.Tensor]:
     if _triton(iq):
-        from lowerings.kernels.indexer_kl_sparse import scores_at_backward
+        from lowerings.kernels.indexer_kl import scores_at_backward
 
-        return list(scores_at_backward(d_scores, iq, ik, iw, idx, index_scale))
+        return _as_dtypes(scores_at_backward(d_scores, iq, ik, iw, idx, index_scale), (iq, ik, iw))
     return list(scores_at_backward_reference(d_scores, iq, ik, iw, idx, index_scale))
 
 
@@ -96,7 +96,7 @@ torch.library.register_autograd("titan_kimi::indexer_scores_at", _scores_backwar
 def attention_lse_op(q: torch.Tensor, kv: torch.Tensor, seg_start: torch.Tensor, scale: float,
                      q_offset: int = 0) -> torch.Tensor:
     if _triton(q):
-        from lowerings.kernels.indexer_kl_dense import attention_lse as triton_attention_lse
+        from lowerings.kernels.indexer_kl import attention_lse as triton_attention_lse
 
         return triton_attention_lse(q, kv, seg_start, scale, q_offset)
     return attention_lse_reference(q, kv, seg_start, scale, q_offset)
@@ -110,9 +110,10 @@ def _(q, kv, seg_start, scale, q_offset=0):
 @torch.library.custom_op("titan_kimi::indexer_dense_kl", mutates_args=())
 def dense_kl_op(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                 lse: torch.Tensor, seg_start: torch.Tensor, q_offset: int, index_scale: float,
-                scale: float) -> torch.Tensor:
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL [T], stats [T, 2]: the LSE of the indexer's scores and the target's total mass, for the backward)."""
     if _triton(q):
-        from lowerings.kernels.indexer_kl_dense import dense_kl
+        from lowerings.kernels.indexer_kl import dense_kl
 
         return dense_kl(iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale)
     return dense_kl_reference(iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale)
@@ -120,37 +121,43 @@ def dense_kl_op(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, q: torch.T
 
 @dense_kl_op.register_fake
 def _(iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale):
-    return q.new_empty(q.shape[:1], dtype=torch.float32)
+    return q.new_empty(q.shape[:1], dtype=torch.float32), q.new_empty((q.shape[0], 2), dtype=torch.float32)
 
 
 @torch.library.custom_op("titan_kimi::indexer_dense_kl_backward", mutates_args=())
 def dense_kl_backward_op(grad: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor,
                          q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, seg_start: torch.Tensor,
-                         q_offset: int, index_scale: float, scale: float) -> list[torch.Tensor]:
+                         stats: torch.Tensor, q_offset: int, index_scale: float, scale: float) -> list[torch.Tensor]:
     if _triton(q):
-        from lowerings.kernels.indexer_kl_dense import dense_kl_backward
+        from lowerings.kernels.indexer_kl import dense_kl_backward
 
-        return list(dense_kl_backward(grad, iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale))
+        grads = dense_kl_backward(grad, iq, ik, iw, q, kv, lse, seg_start, stats, q_offset, index_scale, scale)
+        return _as_dtypes(grads, (iq, ik, iw))
     return list(dense_kl_backward_reference(grad, iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale))
 
 
 @dense_kl_backward_op.register_fake
-def _(grad, iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale):
+def _(grad, iq, ik, iw, q, kv, lse, seg_start, stats, q_offset, index_scale, scale):
     return [torch.empty_like(iq), torch.empty_like(ik), torch.empty_like(iw)]
 
 
 def _dense_setup(ctx, inputs, output):
     iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale = inputs
-    ctx.save_for_backward(iq, ik, iw, q, kv, lse, seg_start)
+    ctx.save_for_backward(iq, ik, iw, q, kv, lse, seg_start, output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.static = (q_offset, index_scale, scale)
 
 
-def _dense_backward(ctx, grad):
+def _dense_backward(ctx, grad, grad_stats):
     diq, dik, diw = dense_kl_backward_op(grad.contiguous(), *ctx.saved_tensors, *ctx.static)
     return diq, dik, diw, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("titan_kimi::indexer_dense_kl", _dense_backward, setup_context=_dense_setup)
+
+
+def _as_dtypes(grads, like) -> list[torch.Tensor]:
+    return [g.to(t.dtype) for g, t in zip(grads, like)]
 
 
 # ---------------------------------------------------------------- what the model calls
@@ -213,7 +220,7 @@ def dense_indexer_kl(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, q: to
                          f"kv {tuple(kv.shape)}")
     return dense_kl_op(iq.contiguous(), ik.contiguous(), iw.contiguous(), q.detach().contiguous(),
                        kv.detach().contiguous(), lse.detach().contiguous(), seg_start.to(torch.int32), q_offset,
-                       index_scale, scale)
+                       index_scale, scale)[0]
 
 
 def selected_mass(lse_selected: torch.Tensor, lse_all: torch.Tensor) -> torch.Tensor:

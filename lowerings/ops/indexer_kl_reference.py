@@ -130,16 +130,22 @@ def _scores_backward(d_scores: torch.Tensor, iq: torch.Tensor, keys: torch.Tenso
 
 
 def dense_kl_reference(iq, ik, iw, q, kv, lse, seg_start, q_offset: int, index_scale: float,
-                       scale: float) -> torch.Tensor:
-    """KL_t [T] fp32 over every causal key of each query's document."""
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL_t [T] fp32 over every causal key of each query's document, and [T, 2] (the LSE of the indexer's
+    scores, the target's total mass) as the fused kernel keeps them for its backward."""
     T = q.shape[0]
     per_row = 4 * max(q.shape[1], iq.shape[1]) * (q_offset + T)
-    out = []
+    kls, stats = [], []
     for rows in _row_chunks(T, per_row):
-        p, valid, window = _dense_chunk(q, kv, lse, seg_start, rows, q_offset, scale)
-        scores = _indexer_scores(iq[rows], ik[window], iw[rows], index_scale, "thd,sd->ths")
-        out.append(row_kl(p, scores, valid))
-    return torch.cat(out) if out else q.new_zeros((0,), dtype=torch.float32)
+        lo, hi = _key_window(seg_start, rows, q_offset)
+        valid = _dense_mask(seg_start, rows, lo, hi, q_offset)
+        u = _head_mass(q[rows], kv[lo:hi], lse[rows], scale, valid, "thd,sd->ths")
+        scores = _indexer_scores(iq[rows], ik[lo:hi], iw[rows], index_scale, "thd,sd->ths")
+        kls.append(row_kl(normalise(u), scores, valid))
+        stats.append(torch.stack([torch.logsumexp(scores.masked_fill(~valid, float("-inf")), -1), u.sum(-1)], -1))
+    if not kls:
+        return q.new_zeros((0,), dtype=torch.float32), q.new_zeros((0, 2), dtype=torch.float32)
+    return torch.cat(kls), torch.cat(stats)
 
 
 def dense_kl_backward_reference(grad: torch.Tensor, iq, ik, iw, q, kv, lse, seg_start, q_offset: int,
