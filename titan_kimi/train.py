@@ -341,6 +341,15 @@ class Trainer:
             loss.backward()
         return loss.detach()
 
+    def _indexer_inputs(self, host: list[dict], *, measure: bool) -> dict | None:
+        """The model's indexer arguments for a step of this rank's host micro-batches while the indexer trains
+        (``measure``: the recall too, on logging steps); None otherwise."""
+        if self.indexer_metrics is None:
+            return None
+        return indexer_step_inputs(host, self.cfg, len(self.args.full_attn_layers), pp=self.layout.pp,
+                                   cp=self.layout.cp, device=self.device, measure=measure,
+                                   as_float=self.pipeline is not None)
+
     def train_step(self, data_iter) -> StepMetrics:
         cfg, t0 = self.cfg, time.perf_counter()
         host = [self._local(next(data_iter)) for _ in range(self.accum_steps)]
@@ -349,11 +358,7 @@ class Trainer:
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in host]
         longest = [longest_document(b["doc_ids"]) for b in host]  # whole rows' doc_ids, also under CP
         logged = self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
-        indexer = None
-        if self.indexer_metrics is not None:
-            indexer = indexer_step_inputs(host, cfg, len(self.args.full_attn_layers), pp=self.layout.pp,
-                                          cp=self.layout.cp, device=self.device, measure=logged,
-                                          as_float=self.pipeline is not None)
+        indexer = self._indexer_inputs(host, measure=logged)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch, keys in zip(batches, longest):
             loss_sum += self._micro_step(batch, global_valid, backward=True, max_causal_keys=keys, indexer=indexer)
