@@ -23,6 +23,7 @@ DIR/indexer_training.md and the runs' metrics.jsonl under DIR/runs/. --tiny: the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -88,6 +89,13 @@ def run(t: Trainer) -> list[dict]:
     t.train()
     t.close()
     return [m.as_dict() for m in t.metrics.history]
+
+
+def release() -> None:
+    """Free the device memory of the trainers dropped so far (the train loop leaves the collector off)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def load_weights(t: Trainer, state: dict[str, torch.Tensor]) -> list[str]:
@@ -220,6 +228,7 @@ def learning(opts, report: Report, data: Path) -> None:
     history = run(dense)
     state = weights(dense)
     del dense
+    release()
     report.put("dense_pretraining", {"steps": opts.dense_steps, "loss_first": history[0]["loss"],
                                      "loss_last": history[-1]["loss"], "seconds": time.perf_counter() - t0})
 
@@ -236,6 +245,7 @@ def learning(opts, report: Report, data: Path) -> None:
                           "recall_last": recall[-1][1], "seconds": time.perf_counter() - t0,
                           "concentration": concentration(warm, topk, min(512, opts.seq_len // 4))})
     del warm
+    release()
 
     t0 = time.perf_counter()
     stage = ["--training.steps", str(opts.sparse_steps), "--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "0",
@@ -245,10 +255,12 @@ def learning(opts, report: Report, data: Path) -> None:
     load_weights(sparse, warm_state)
     sparse_history = run(sparse)
     del sparse
+    release()
     control = trainer([*common, *stage, "--job.dump_folder", str(runs / "dense_control")])
     load_weights(control, {k: v for k, v in warm_state.items() if ".indexer." not in k})
     dense_history = run(control)
     del control
+    release()
     a, b = [m["loss"] for m in sparse_history], [m["loss"] for m in dense_history]
     diff = statistics.mean(abs(x - y) for x, y in zip(a, b))
     rel = diff / statistics.mean(b)
@@ -272,6 +284,7 @@ def throughput(opts, report: Report, data: Path) -> None:
         if not small:
             argv += ["--training.local_batch_size", "2"]
         history = run(trainer(argv))[3:]  # after the compile steps
+        release()
         plain = [m["tokens_per_sec"] for m in history if m.get("indexer_kl") is None]
         with_log = [m["tokens_per_sec"] for m in history if m.get("indexer_kl") is not None]
         results[mode] = {"median_tokens_per_sec": statistics.median(m["tokens_per_sec"] for m in history),
