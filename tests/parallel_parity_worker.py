@@ -115,12 +115,14 @@ INDEXER_LAYOUTS = {
     "sparse_pp2_ep2_fsdp2": [*CP, "--indexer.mode", "sparse", "--parallelism.pipeline_parallel_degree", "2",
                              "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2",
                              "--training.global_batch_size", "4"],
-    "warmup_pp2_fsdp2": [*CP, "--indexer.mode", "warmup", "--parallelism.pipeline_parallel_degree", "2",
-                         "--training.local_batch_size", "2", "--training.global_batch_size", "4"],
     "sparse_cp2_dp2_sac": [*CP, "--indexer.mode", "sparse", "--parallelism.context_parallel_degree", "2",
                            "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective"],
     "warmup_cp2_pp2": [*CP, "--indexer.mode", "warmup", "--parallelism.context_parallel_degree", "2",
                        "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"],
+    # the attention modules compiled (fullgraph) with the KL inside, under FSDP2 x EP2
+    "sparse_ep2_module_compile": [*CP, "--indexer.mode", "sparse", "--parallelism.expert_parallel_degree", "2",
+                                  "--training.local_batch_size", "2", "--compile.mode", "default",
+                                  "--compile.granularity", "module"],
 }
 
 
