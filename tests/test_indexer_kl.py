@@ -64,7 +64,7 @@ def assert_close(got, want, bound: float = 1e-5):
 
 
 def test_dense_kl_over_every_causal_key_matches_the_float64_truth_with_packed_documents(monkeypatch):
-    """Warm-up form; a small chunk budget makes the reference split rows and key windows."""
+    """Warm-up form; a small chunk size makes the reference split rows and key windows."""
     monkeypatch.setattr("lowerings.ops.indexer_kl_reference.CHUNK_BYTES", 2048)
     seg = packed_seg_start([7, 12, 1, 10])
     t = inputs(seg.shape[0], seed=0)
