@@ -30,6 +30,11 @@ BACKEND_OPS: dict[str, OpEntry] = {
         "sm90 sparse forward (scripts/tools/build_flash_mla.sh) and the Triton backward; calls a kernel cannot take run "
         "triton's; dense / reference = plain torch; auto = cudnn, then flash_mla, then triton, the first that can "
         "run here", ("dense", "reference", "triton", "cudnn", "flash_mla")),
+    "indexer_distillation": OpEntry(
+        "indexer distillation (indexer.mode = warmup / sparse): the main attention's head-summed probabilities at "
+        "the keys used and the KL to the indexer's softmax, with its gradient into the indexer; triton = the "
+        "Triton kernels written here; reference = row-chunked plain torch; auto = triton on CUDA",
+        ("reference", "triton")),
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
     "attn_res_mix": OpEntry("attention-residual mix backend", ("reference", "triton")),
     "linear_cross_entropy": OpEntry(

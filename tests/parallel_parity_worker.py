@@ -115,6 +115,27 @@ CP_LAYOUTS = {
     "cp2_pp2_ep2": [*CP, "--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
                     "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "8"],
 }
+# Indexer training (tests/test_indexer_training_parallel.py): 64-token rows, so k31_debug's top-32 selects; the
+# KL's gradient reaches the indexer through each stage's own layers and is normalised over the whole step.
+INDEXER_LAYOUTS = {
+    "sparse_pp2_ep2_fsdp2": [*CP, "--indexer.mode", "sparse", "--parallelism.pipeline_parallel_degree", "2",
+                             "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2",
+                             "--training.global_batch_size", "4"],
+    "sparse_cp2_dp2_sac": [*CP, "--indexer.mode", "sparse", "--parallelism.context_parallel_degree", "2",
+                           "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective"],
+    "warmup_cp2_pp2": [*CP, "--indexer.mode", "warmup", "--parallelism.context_parallel_degree", "2",
+                       "--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"],
+    # the attention modules compiled (fullgraph) with the KL inside, under FSDP2 x EP2
+    "sparse_ep2_module_compile": [*CP, "--indexer.mode", "sparse", "--parallelism.expert_parallel_degree", "2",
+                                  "--training.local_batch_size", "2", "--compile.mode", "default",
+                                  "--compile.granularity", "module"],
+}
+
+
+def distillation_kl(model) -> float:
+    """The mean KL per query and DSA layer a model's indexers counted (distillation_stats), on this process."""
+    stats = sum(m.distillation_stats for n, m in model.named_modules() if n.endswith(".indexer"))
+    return float(stats[0] / stats[1])
 
 
 def reference(cfg, args, global_batch: int, tokenizer, device: torch.device):
@@ -122,6 +143,9 @@ def reference(cfg, args, global_batch: int, tokenizer, device: torch.device):
     model = build_model_from_config(cfg, args, tokenizer)  # on meta; image-text and LoRA as the config says
     model.to_empty(device=device)
     init_weights_seeded(model, cfg.job.seed)
+    for name, module in model.named_buffers():
+        if name.endswith("distillation_stats"):
+            module.zero_()
     if cfg.checkpoint.initial_load_path:
         load_model_weights(model, cfg.checkpoint.initial_load_path)
     vision = getattr(model, "vision_args", None)
@@ -195,13 +219,14 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     data = iter(trainer.dataloader)
     host = [trainer._local(next(data)) for _ in range(trainer.accum_steps)]
     normalizer = trainer._global_valid_tokens(host)
+    indexer = trainer._indexer_inputs(host, measure=False)
     for run in range(2 if name in WARM_STEP else 1):  # the compared gradients: the last run's
         for part in trainer.model_parts:
             part.zero_grad(set_to_none=True)
         loss = torch.zeros((), device=device)
         for batch in host:
             batch = {k: v.to(device) for k, v in batch.items()}
-            loss += trainer._micro_step(batch, normalizer, backward=True)
+            loss += trainer._micro_step(batch, normalizer, backward=True, indexer=indexer)
     trainer.replicated.sync()
     dist.all_reduce(loss)
     worst, count = 0.0, 0
@@ -227,6 +252,11 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
         loss_rel = abs(float(loss) - ref_loss) / abs(ref_loss)
         print(f"PARITY {name} grad_rel {float(stats[0]):.3e} loss_rel {loss_rel:.3e} params {int(stats[1])}",
               flush=True)
+    if trainer.indexer_metrics is not None:
+        kl = trainer.indexer_metrics.read_and_reset().kl
+        if env.rank == 0:
+            print(f"INDEXER {name} kl_rel {abs(kl - distillation_kl(ref_model)) / distillation_kl(ref_model):.3e}",
+                  flush=True)
     if name in HF_EXPORT:  # after the gradients: no optimizer step ran, the weights are still the seeded ones
         check_hf_export(name, argv, trainer, ref_model, env)
     trainer.close()
@@ -238,7 +268,7 @@ def main() -> None:
     hf = argv[argv.index("--hf") + 1] if "--hf" in argv else None
     names = [a for a in argv if a != "--hf" and a != hf]
     for name in names or [*LAYOUTS, *VL_LAYOUTS, *(HF_LAYOUTS if hf else ())]:
-        overrides = ({**LAYOUTS, **CP_LAYOUTS, **VL_LAYOUTS}.get(name)
+        overrides = ({**LAYOUTS, **CP_LAYOUTS, **VL_LAYOUTS, **INDEXER_LAYOUTS}.get(name)
                      or [*HF_LAYOUTS[name], "--checkpoint.initial_load_path", hf])
         check(name, overrides, env)
     dist.barrier()

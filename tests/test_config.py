@@ -48,7 +48,7 @@ def test_defaults_load_and_match_declarations():
     cfg = load()
     assert list(to_dict(cfg)) == ["job", "model", "training", "optimizer", "lr_scheduler", "parallelism",
                                   "checkpoint", "activation_checkpoint", "compile", "kernels", "data",
-                                  "metrics", "validation", "profiling", "lora", "step_time"]
+                                  "metrics", "validation", "profiling", "lora", "step_time", "indexer"]
     assert cfg.job.dump_folder == "./outputs" and cfg.job.seed == 1234 and cfg.job.world_size == 0
     assert cfg.model.name == "kimi_k3" and cfg.model.flavor == "k31_debug" and cfg.model.dtype == "bfloat16"
     assert cfg.training.loss_chunk_size == 512 and cfg.training.global_batch_size == -1
@@ -56,6 +56,7 @@ def test_defaults_load_and_match_declarations():
     assert cfg.parallelism.data_parallel_shard_degree == -1 and cfg.parallelism.tensor_parallel_degree == 1
     assert cfg.metrics.peak_flops == 989e12 and cfg.metrics.save_jsonl is True
     assert cfg.lora.enable is False and cfg.profiling.enable is False and cfg.profiling.steps == [-1]
+    assert cfg.indexer.mode == "frozen" and cfg.model.add_indexer is False
     for section, specs in describe_config(JobConfig).items():
         for name, spec in specs.items():
             assert getattr(getattr(cfg, section), name) == spec.default, spec.path

@@ -50,6 +50,8 @@ from titan_kimi.training.compile_prewarm import unsupported as prewarm_unsupport
 from titan_kimi.training.build import (build_model_from_config, dataloader_from_config, model_args_from_config,
                                       tokenizer_from_config, vision_args_from_config)
 from titan_kimi.training.exit_codes import run_cli
+from titan_kimi.training.indexer_metrics import IndexerMetrics
+from titan_kimi.training.indexer_training import indexer_step_inputs
 from titan_kimi.training.kernels import configure_kernels, import_backend_libraries
 from titan_kimi.training.kernels import describe as describe_kernels
 from titan_kimi.training.loss import LinearCrossEntropyLoss
@@ -153,6 +155,7 @@ class Trainer:
         self.lr_scheduler = SchedulerParts([build_lr_scheduler(opt, cfg.lr_scheduler, t.steps)
                                             for opt in self.optimizer.optimizers])
         self.router_load = RouterLoad(self.model_parts, args)
+        self.indexer_metrics = IndexerMetrics(self.model_parts, self.device) if args.indexer_trains else None
         self.replicated = ReplicatedGradients(self.model_parts, self.meshes.dense if self.meshes else None)
         # Every validation starts from the first batch, so runs that stop at validation.steps stay comparable.
         self.validation_start = self.validation_loader.state_dict() if self.validation_loader else None
@@ -269,8 +272,10 @@ class Trainer:
             logger.info("resumed from %s at step %d", self.checkpointer.step_dir(restored), restored)
         elif cfg.initial_load_path:
             for part in self.model_parts:
-                fmt = load_model_weights(part, cfg.initial_load_path)
-            logger.info("initial weights from %s (%s)", cfg.initial_load_path, fmt)
+                fmt = load_model_weights(part, cfg.initial_load_path, indexer_optional=self.cfg.model.add_indexer)
+            logger.info("initial weights from %s (%s)%s", cfg.initial_load_path, fmt,
+                        "; model.add_indexer: an indexer it lacks keeps its fresh initialisation"
+                        if self.cfg.model.add_indexer else "")
         if restored is None and self.cfg.lora.adapter_path:  # a resumed run has its adapters in the checkpoint
             filled = load_adapters(self.model_parts, self.cfg.lora.adapter_path, group=self._pp_group())
             logger.info("LoRA adapters from %s (%d factors)", self.cfg.lora.adapter_path, len(filled))
@@ -307,13 +312,14 @@ class Trainer:
             logger.info("exported HF safetensors to %s%s", path, " (LoRA merged)" if lora.enable else "")
 
     # ------------------------------------------------------------------ one step
-    def _forward_loss(self, batch: dict, normalizer: torch.Tensor, max_causal_keys: int | None) -> torch.Tensor:
+    def _forward_loss(self, batch: dict, normalizer: torch.Tensor, max_causal_keys: int | None,
+                      indexer: dict | None = None) -> torch.Tensor:
         ctx = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
                else torch.autocast(self.device.type, enabled=False))
         images = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
         with ctx:
             hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True,
-                                max_causal_keys=max_causal_keys, **images)
+                                max_causal_keys=max_causal_keys, **images, **(indexer or {}))
             return self.loss_fn(self.model.output, hidden, batch["labels"], normalizer)
 
     def _local(self, batch: dict) -> dict:
@@ -330,16 +336,26 @@ class Trainer:
         return total / self.layout.pp
 
     def _micro_step(self, batch: dict, normalizer: torch.Tensor, *, backward: bool,
-                    max_causal_keys: int | None = None) -> torch.Tensor:
+                    max_causal_keys: int | None = None, indexer: dict | None = None) -> torch.Tensor:
         """Forward (and backward) of one local batch; returns this rank's share of the normalised loss.
         ``max_causal_keys``: the host batch's longest document (the DSA dense shortcut); pipeline stages build
-        their sequences themselves and decide from the row length alone."""
+        their sequences themselves and decide from the row length alone. ``indexer``: the model's indexer
+        arguments while it trains (`indexer_step_inputs`)."""
         if self.pipeline is not None:
-            return self.pipeline.step(batch, float(normalizer), backward=backward)
-        loss = self._forward_loss(batch, normalizer, max_causal_keys)
+            return self.pipeline.step(batch, float(normalizer), backward=backward, extra=indexer)
+        loss = self._forward_loss(batch, normalizer, max_causal_keys, indexer)
         if backward:
             loss.backward()
         return loss.detach()
+
+    def _indexer_inputs(self, host: list[dict], *, measure: bool) -> dict | None:
+        """The model's indexer arguments for a step of this rank's host micro-batches while the indexer trains
+        (``measure``: the recall too, on logging steps); None otherwise."""
+        if self.indexer_metrics is None:
+            return None
+        return indexer_step_inputs(host, self.cfg, len(self.args.full_attn_layers), pp=self.layout.pp,
+                                   cp=self.layout.cp, device=self.device, measure=measure,
+                                   as_float=self.pipeline is not None)
 
     def train_step(self, data_iter) -> StepMetrics:
         cfg, t0 = self.cfg, time.perf_counter()
@@ -348,9 +364,11 @@ class Trainer:
         global_valid = self._global_valid_tokens(host)
         batches = [{k: v.to(self.device) for k, v in b.items()} for b in host]
         longest = [longest_document(b["doc_ids"]) for b in host]  # whole rows' doc_ids, also under CP
+        logged = self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
+        indexer = self._indexer_inputs(host, measure=logged)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         for batch, keys in zip(batches, longest):
-            loss_sum += self._micro_step(batch, global_valid, backward=True, max_causal_keys=keys)
+            loss_sum += self._micro_step(batch, global_valid, backward=True, max_causal_keys=keys, indexer=indexer)
         self.replicated.sync()
         # ranks without the last pipeline stage add 0; each CP rank adds its share of the sequences
         loss_value = float(all_reduce_sum(loss_sum))
@@ -371,6 +389,7 @@ class Trainer:
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         load = self.router_load.read_and_reset()
+        reading = self.indexer_metrics.read_and_reset() if self.indexer_metrics is not None and logged else None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
@@ -385,6 +404,7 @@ class Trainer:
             peak_mem_gib=peak_memory_gib(self.device), skipped=skipped,
             expert_load_max=load.max if load else None, expert_load_min=load.min if load else None,
             images=images, images_per_sec=images / dt,
+            indexer_kl=reading.kl if reading else None, indexer_recall=reading.recall if reading else None,
         )
 
     def _image_work(self, batches: list[dict]) -> tuple[int, float]:

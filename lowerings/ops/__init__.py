@@ -2,6 +2,7 @@
 
 from lowerings.ops.attention import causal_attention, document_causal_mask
 from lowerings.ops.attn_res_mix import attn_res_mix
+from lowerings.ops.indexer_kl import attention_lse, dense_indexer_kl, selected_mass, sparse_indexer_kl
 from lowerings.ops.indexer_topk import indexer_topk
 from lowerings.ops.kda import kda
 from lowerings.ops.kda_cp import kda_context_parallel
@@ -11,10 +12,12 @@ from lowerings.ops.situ_glu import situ_glu
 from lowerings.ops.sparse_mla import sparse_mla
 
 __all__ = [
+    "attention_lse",
     "attn_res_mix",
     "IGNORE_INDEX",
     "causal_attention",
     "configure_backends",
+    "dense_indexer_kl",
     "document_causal_mask",
     "indexer_topk",
     "kda",
@@ -23,6 +26,8 @@ __all__ = [
     "linear_cross_entropy",
     "op_backends",
     "selected_backend",
+    "selected_mass",
     "situ_glu",
+    "sparse_indexer_kl",
     "sparse_mla",
 ]

@@ -1,6 +1,7 @@
 """Graph breaks per decoder-block type of a flavor under dynamo: python scripts/check/graph_breaks.py --flavor k31_debug [--device cuda]
 
     python scripts/check/graph_breaks.py --flavor k31_debug [--seq-len 64] [--device cuda] [--dtype bfloat16]
+                                         [--index-training warmup|sparse]
 
 Block types: kda+dense, kda+moe, mla+moe (K3), dsa+moe (K3.1), and the vision tower's block
 (``--vision-flavor``, default moonvit3d_debug). Exits 1 if any block breaks.
@@ -35,8 +36,11 @@ def bank_entries(args, layer: int) -> int:
     return layer // block + (1 if layer % block else 0) if block else 0
 
 
-def check(flavor: str, seq_len: int, device: str, dtype: torch.dtype) -> dict[str, int]:
-    args = model_args_for(flavor)
+def check(flavor: str, seq_len: int, device: str, dtype: torch.dtype, index_training: str = "frozen",
+          indexer_metrics: bool = False) -> dict[str, int]:
+    """``index_training`` warmup / sparse traces the DSA blocks while their indexer trains (a K3.1 flavor; use
+    a seq_len above its top-k), with the recall measured when ``indexer_metrics``."""
+    args = model_args_for(flavor, index_training=index_training)
     torch.manual_seed(0)
     results = {}
     for kind, layer in representative_layers(args).items():
@@ -49,6 +53,7 @@ def check(flavor: str, seq_len: int, device: str, dtype: torch.dtype) -> dict[st
         doc_ids = torch.ones(2, seq_len, dtype=torch.int32, device=device)
         doc_ids[1, seq_len // 3 :] = 2
         seq = build_sequence_info(2, seq_len, hidden.device, doc_ids)
+        seq.indexer_metrics = indexer_metrics
         report = count_graph_breaks(block, hidden, bank, seq)
         results[kind] = report.breaks
         print(f"{flavor} layer {layer:>3} {kind:<10} graphs={report.graphs} graph_breaks={report.breaks}")
@@ -91,8 +96,11 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--index-training", default="frozen", choices=("frozen", "warmup", "sparse"),
+                        help="trace the DSA blocks with their indexer training (recall measured too)")
     opts = parser.parse_args()
-    results = check(opts.flavor, opts.seq_len, opts.device, getattr(torch, opts.dtype))
+    results = check(opts.flavor, opts.seq_len, opts.device, getattr(torch, opts.dtype), opts.index_training,
+                    indexer_metrics=opts.index_training != "frozen")
     if opts.vision_flavor:
         results.update(check_vision(opts.vision_flavor, opts.device, getattr(torch, opts.dtype)))
     return 1 if any(results.values()) else 0

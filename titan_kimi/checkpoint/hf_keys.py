@@ -55,6 +55,11 @@ _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 ADAPTER_MARKER = ".lora_"
 
 
+def is_indexer_key(name: str) -> bool:
+    """A K3.1 indexer tensor, by model FQN or HF key (both name the module ``indexer``)."""
+    return ".indexer." in f".{name}"
+
+
 def is_adapter_key(fqn: str) -> bool:
     """Whether a model tensor name is a LoRA adapter factor."""
     return ADAPTER_MARKER in f".{fqn}"

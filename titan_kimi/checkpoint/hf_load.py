@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from titan_kimi.checkpoint.destinations import model_destinations
 from titan_kimi.checkpoint.hf_index import CONFIG_FILE, HFCheckpoint
-from titan_kimi.checkpoint.hf_keys import hf_key_names, is_adapter_key
+from titan_kimi.checkpoint.hf_keys import hf_key_names, is_adapter_key, is_indexer_key
 from titan_kimi.checkpoint.hf_plan import MXFP4, Read, plan_load
 from titan_kimi.checkpoint.model_identity import check_config_json
 from titan_kimi.checkpoint.mxfp4 import GROUP, decode_mxfp4
@@ -120,6 +120,7 @@ def load_hf_checkpoint(
     args: KimiK3ModelArgs | None = None,
     progress: Progress | None = None,
     check_config: bool = True,
+    indexer_optional: bool = False,
 ) -> LoadReport:
     """Fill ``model``'s own tensors in place from the HF safetensors folder ``path``.
 
@@ -130,7 +131,8 @@ def load_hf_checkpoint(
     copied; on a problem a ValueError lists them and the model is unchanged. ``strict=False`` leaves model keys
     missing from the checkpoint untouched and ignores unexpected checkpoint keys (reported in the result).
     The folder's config.json, when it has one, must describe the same model as ``args`` (``check_config``);
-    a non-finite value read stops the load naming its key and file.
+    a non-finite value read stops the load naming its key and file. ``indexer_optional`` (``model.add_indexer``):
+    a checkpoint without indexer weights (a K3 one) fills everything else and leaves the indexer as it is.
     """
     args = args if args is not None else getattr(model, "args", None)
     if not isinstance(args, KimiK3ModelArgs):
@@ -141,6 +143,9 @@ def load_hf_checkpoint(
                     if not is_adapter_key(d.fqn)]  # LoRA factors are not in a base checkpoint
     with HFCheckpoint(path) as ckpt:
         config = ckpt.config()
+        if indexer_optional and args.has_indexer and not any(is_indexer_key(k) for k in ckpt.keys()):
+            args = args.without_indexer()
+            destinations = [d for d in destinations if not is_indexer_key(d.fqn)]
         if check_config and config is not None:
             check_config_json(config, args, ckpt.path / CONFIG_FILE)
         plan = plan_load(

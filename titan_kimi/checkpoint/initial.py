@@ -8,9 +8,11 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from titan_kimi.checkpoint.dcp_states import ModelState
 from titan_kimi.checkpoint.hf_index import INDEX_FILE, SINGLE_FILE
+from titan_kimi.checkpoint.hf_keys import is_indexer_key
 from titan_kimi.checkpoint.hf_load import load_hf_checkpoint
 from titan_kimi.checkpoint.finite import check_finite_parameters
 from titan_kimi.checkpoint.manager import quiet_single_process
@@ -39,46 +41,74 @@ def checkpoint_format(path: str | Path) -> str:
 
 
 def load_model_weights(
-    model: nn.Module, path: str | Path, *, expert_range: tuple[int, int] | None = None, strict: bool = True
+    model: nn.Module, path: str | Path, *, expert_range: tuple[int, int] | None = None, strict: bool = True,
+    indexer_optional: bool = False,
 ) -> str:
     """Fill ``model`` (whole, a stage or a shard) from ``path``; returns the format read (``"hf"`` or ``"dcp"``).
 
     A DCP checkpoint is read for its ``model`` entry only (a full training checkpoint or a converted one).
+    ``indexer_optional`` (``model.add_indexer``): a checkpoint without indexer weights fills everything else and
+    leaves the model's indexer as initialised.
     """
     fmt = checkpoint_format(path)
     if fmt == "hf":
-        load_hf_checkpoint(model, path, expert_range=expert_range, strict=strict)
+        load_hf_checkpoint(model, path, expert_range=expert_range, strict=strict, indexer_optional=indexer_optional)
     else:
         if expert_range is not None:
             raise ValueError(
                 "expert_range applies to HF loads; a DCP load reshards DTensor experts by their placements"
             )
-        _check_dcp_model(model, Path(path))
+        fresh = indexer_optional and not _dcp_has_indexer(Path(path))
+        _check_dcp_model(model, Path(path), without_indexer=fresh)
         try:
             with quiet_single_process():
-                dcp.load({"model": ModelState(model)}, checkpoint_id=str(path))
+                dcp.load({"model": ModelStateWithoutIndexer(model) if fresh else ModelState(model)},
+                         checkpoint_id=str(path))
         except CheckpointException as err:
             raise ValueError(f"loading the model from DCP checkpoint {path} failed (damaged files?):\n{err}") from None
         check_finite_parameters(model, str(path))
     return fmt
 
 
-def _check_dcp_model(model: nn.Module, path: Path) -> None:
+class ModelStateWithoutIndexer(ModelState):
+    """The model's state without its indexer tensors: what a K3 checkpoint holds of a model given an indexer."""
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in super().state_dict().items() if not is_indexer_key(k)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for part in self.parts:
+            own = {k: state_dict[k] for k in get_model_state_dict(part) if k in state_dict}
+            set_model_state_dict(part, own, options=StateDictOptions(strict=False))  # the indexer stays as it is
+
+
+def _saved_metadata(path: Path) -> dict:
     try:
-        saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as err:  # a damaged pickle raises anything from UnpicklingError to EOFError
         raise ValueError(f"DCP metadata {path / '.metadata'} cannot be read ({type(err).__name__}: {err}); "
                          f"the checkpoint is damaged") from None
+
+
+def _dcp_has_indexer(path: Path) -> bool:
+    return any(k.startswith(MODEL_PREFIX) and is_indexer_key(k) for k in _saved_metadata(path))
+
+
+def _check_dcp_model(model: nn.Module, path: Path, *, without_indexer: bool = False) -> None:
+    saved = _saved_metadata(path)
     remedy = ("Build the model the checkpoint was saved from (model.flavor / model.hf_config_path), or pass a "
               "checkpoint of this model.")
     args = getattr(model, "args", None)
+    if isinstance(args, KimiK3ModelArgs) and without_indexer:
+        args = args.without_indexer()
     if isinstance(args, KimiK3ModelArgs):
         saved_args = read_model_args(path)
         if saved_args is not None:
             check_model_args(saved_args, args, f"DCP checkpoint {path}", remedy=remedy)
         check_saved_keys((k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX)), args,
                          f"DCP checkpoint {path}", remedy=remedy, vision=getattr(model, "vision_args", None))
-    missing = sorted(k for k in ModelState(model).state_dict() if MODEL_PREFIX + k not in saved)
+    wanted = ModelStateWithoutIndexer(model) if without_indexer else ModelState(model)
+    missing = sorted(k for k in wanted.state_dict() if MODEL_PREFIX + k not in saved)
     if missing:
         shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"DCP checkpoint {path} lacks {len(missing)} key(s) of this model: {shown}.\n{remedy}")

@@ -37,8 +37,8 @@ from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RankLoc
 from titan_kimi.checkpoint.finite import check_finite_parameters
 from titan_kimi.checkpoint.hf_keys import is_adapter_key
 from titan_kimi.checkpoint.integrity import damaged_files, unreadable_data
-from titan_kimi.checkpoint.model_identity import (check_model_args, check_saved_keys, read_model_args,
-                                                  write_model_args, write_vision_args)
+from titan_kimi.checkpoint.model_identity import (check_model_args, check_same_indexer_training, check_saved_keys,
+                                                  read_model_args, write_model_args, write_vision_args)
 from titan_kimi.checkpoint.storage_errors import describe_write_failure
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
@@ -463,6 +463,8 @@ class CheckpointManager:
                 saved_args = read_model_args(path)
                 if saved_args is not None:
                     check_model_args(saved_args, args, f"checkpoint {path}", remedy=_REMEDY)
+                    if any(isinstance(v, OptimizerState) for v in state.values()):
+                        check_same_indexer_training(saved_args, args, path)
                 # A LoRA model's adapters are not in the base model's keys; the missing-key check covers its own.
                 lora = any(is_adapter_key(k) for k in own)
                 check_saved_keys((k[len(prefix):] for k in saved

@@ -21,10 +21,10 @@ from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 MODEL_ARGS_FILE = "model_args.json"
 # An image-text model's tower and projector args, next to model_args.json (absent for a text model).
 VISION_ARGS_FILE = "vision_args.json"
-# A training setting (FLOP accounting), not a property of the weights.
-NOT_ARCHITECTURE = frozenset({"max_seq_len"})
+# Training settings (FLOP accounting, how the indexer trains), not properties of the weights.
+NOT_ARCHITECTURE = frozenset({"max_seq_len", "index_training"})
 # Not HF config fields (checkpoint/hf_config.py): config.json cannot disagree about them.
-NOT_IN_HF_CONFIG = frozenset({"mla_norm_eps", "index_norm_eps", "max_seq_len"})
+NOT_IN_HF_CONFIG = frozenset({"mla_norm_eps", "index_norm_eps", "max_seq_len", "index_training"})
 _INDEXER_FIELDS = frozenset({"index_head_dim", "index_topk", "index_rope", "index_norm_eps"})
 
 
@@ -91,6 +91,18 @@ def check_model_args(saved: KimiK3ModelArgs, current: KimiK3ModelArgs, source: s
     if diffs:
         raise ValueError(f"{source} holds a different model than this run builds ({len(diffs)} field"
                          f"{'s' if len(diffs) > 1 else ''} differ):\n  " + "\n  ".join(diffs) + f"\n{remedy}")
+
+
+def check_same_indexer_training(saved: KimiK3ModelArgs, current: KimiK3ModelArgs, step_dir: str | Path) -> None:
+    """A resume keeps ``indexer.mode``: the optimizer state of a run covers the weights its mode trains. Another
+    stage starts from the weights alone."""
+    if saved.index_training != current.index_training:
+        raise ValueError(
+            f"checkpoint {step_dir} was saved with indexer.mode = {saved.index_training!r}, and this run has "
+            f"{current.index_training!r}: its optimizer state covers the weights the other mode trains. Resume "
+            f"with indexer.mode = {saved.index_training!r}, or start the {current.index_training!r} stage from its "
+            f"weights (a fresh optimizer and schedule): checkpoint.initial_load_path = {str(step_dir)!r} with "
+            f"another checkpoint.folder or job.dump_folder")
 
 
 @functools.lru_cache(maxsize=8)

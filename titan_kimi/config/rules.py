@@ -42,6 +42,19 @@ def lora_settings_need_lora(cfg: JobConfig, source_of: SourceOf) -> None:
                       "\"\", or lora.enable = true")
 
 
+def indexer_settings_fit_the_mode(cfg: JobConfig, source_of: SourceOf) -> None:
+    mode = _other(cfg, "indexer.mode", source_of)
+    if cfg.indexer.warmup_trains != "indexer" and cfg.indexer.mode != "warmup":
+        raise _reject(cfg, "indexer.warmup_trains", source_of, f"applies to the warm-up only, and {mode}",
+                      "\"indexer\" (the default), or indexer.mode = \"warmup\"")
+    if cfg.lora.enable and cfg.indexer.mode == "warmup" and cfg.indexer.warmup_trains == "indexer":
+        raise _reject(cfg, "lora.enable", source_of,
+                      f"adapters would never train: with {mode} and "
+                      f"{_other(cfg, 'indexer.warmup_trains', source_of)} only the indexer's own weights do",
+                      "false, or indexer.warmup_trains = \"all\" (adapters and indexer), or indexer.mode = "
+                      "\"sparse\"")
+
+
 def medpix_needs_a_vision_tower(cfg: JobConfig, source_of: SourceOf) -> None:
     if cfg.data.dataset == "medpix" and not cfg.model.vision_flavor and not cfg.model.hf_config_path:
         raise _reject(cfg, "model.vision_flavor", source_of,
@@ -296,6 +309,7 @@ def _is_a_checkpoint(cfg: JobConfig, source_of: SourceOf) -> None:
 
 RULES: tuple[Rule, ...] = (
     lora_settings_need_lora,
+    indexer_settings_fit_the_mode,
     medpix_needs_a_vision_tower,
     image_pixel_bounds_are_ordered,
     activation_estimate_is_a_dry_run,

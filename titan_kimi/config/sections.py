@@ -48,8 +48,11 @@ class Model:
     tokenizer_path: str = option(
         "", "tokenizer folder (tiktoken.model + tokenizer_config.json); \"\" = the bundled tokenizer")
     dtype: str = option("bfloat16", "dtype the model parameters are kept in", choices=DTYPES)
-    freeze_indexer: bool = option(
-        True, "keep the K3.1 indexer frozen (top-k selection gives it no LM-loss gradient)")
+    add_indexer: bool = option(
+        False, "give a K3 model (a k3_* flavor, or a model.hf_config_path without indexer fields) a freshly "
+        "initialised K3.1 indexer and sparse MLA in its gated MLA layers (the k31_* sibling's indexer shape; for a "
+        "config.json: 64 heads x 128, top-2048), for indexer.mode = warmup to train; an initial checkpoint without "
+        "indexer weights then loads everything else and leaves the indexer as initialised")
     dsa_dense_shortcut: bool = option(
         True, "K3.1: for a batch whose longest document (padding excluded) has at most index_topk tokens, skip "
         "the indexer and run dense causal attention in the DSA layers; the top-k would select every causal key, "
@@ -301,9 +304,29 @@ class Validation:
 
 
 @dataclass
+class Indexer:
+    mode: str = option(
+        "frozen", "how the K3.1 indexer trains: frozen = not at all (hard top-k gives it no LM-loss gradient); "
+        "warmup = the DSA layers attend densely and the indexer learns the main attention's head-summed, "
+        "L1-normalised probabilities over every causal key (KL; indexer.warmup_trains says what else trains); "
+        "sparse = the DSA layers attend to the indexer's top-k, the whole model trains with the LM loss and the "
+        "indexer keeps its KL over the selected keys. The indexer's input is detached: it learns only from the "
+        "KL, the rest of the model only from the LM loss. LoRA never adapts the indexer; in warmup/sparse its own "
+        "weights train", choices=("frozen", "warmup", "sparse"))
+    kl_weight: float = option(
+        1.0, "weight of the indexer's KL term (the mean over the step's real queries and the DSA layers) in the "
+        "loss; only the indexer's gradient depends on it", bounds=above(0))
+    warmup_trains: str = option(
+        "indexer", "with mode = warmup, what trains: indexer = the indexer only (DeepSeek-V3.2's dense warm-up; "
+        "every other weight frozen), all = the indexer and the rest of the model (with its LM loss through the "
+        "dense attention, or its LoRA adapters)", choices=("indexer", "all"))
+
+
+@dataclass
 class Lora:
     enable: bool = option(
-        False, "train LoRA adapters instead of all weights: every base weight (and the indexer) is frozen")
+        False, "train LoRA adapters instead of all weights: every base weight is frozen, and the indexer too "
+        "unless indexer.mode trains it (never through adapters)")
     rank: int = option(8, "adapter rank (a multiple of 8 when the routed experts are adapted)", bounds=at_least(1))
     alpha: float = option(16.0, "adapter scale numerator (scale = alpha / rank)", bounds=above(0))
     dropout: float = option(
@@ -312,7 +335,8 @@ class Lora:
     target_modules: list[str] = option(
         ["attention", "mlp", "shared_experts", "experts"],
         "modules to adapt: groups attention|mlp|shared_experts|experts|latent_proj|router|lm_head|vision_tower|"
-        "projector, globs over module names (layers.*.attention.o_proj) or bare names (o_proj); never the indexer")
+        "projector, globs over module names (layers.*.attention.o_proj) or bare names (o_proj); never the indexer "
+        "(indexer.mode trains its own weights)")
     adapter_path: str = option(
         "", "adapters to start from: a folder with adapter_model.safetensors (PEFT layout); \"\" = fresh adapters")
     save_adapters: bool = option(
@@ -379,3 +403,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     lora: Lora = field(default_factory=Lora)
     step_time: StepTime = field(default_factory=StepTime)
+    indexer: Indexer = field(default_factory=Indexer)

@@ -10,8 +10,8 @@ Each entry is one of
 - a bare module name, matched against the last part of each name as PEFT does (``o_proj``).
 
 Only adaptable modules count (``nn.Linear``, the lm_head, the grouped experts). The K3.1 indexer is never
-adapted: groups skip it and an explicit pattern that names it is an error, since hard top-k gives it no
-gradient (spec §16b).
+adapted: groups skip it and an explicit pattern that names it is an error. Its own weights train only by
+distillation, when ``indexer.mode`` says so (docs/indexer_training.md).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def select_targets(model: nn.Module, entries: Sequence[str], *, require_matches:
         frozen = [name for name in hits if is_indexer(name)]
         if frozen and entry not in GROUPS:
             raise ValueError(f"lora.target_modules entry {entry!r} selects indexer modules ({frozen[0]!r}, ...); "
-                             f"the K3.1 indexer always stays frozen (spec §16b): remove it")
+                             f"adapters never sit on the K3.1 indexer (indexer.mode = warmup / sparse trains its own "
+                             f"weights): remove it")
         hits = [name for name in hits if not is_indexer(name)]
         if not hits and require_matches:
             raise ValueError(f"lora.target_modules entry {entry!r} matches no adaptable module of this model; "

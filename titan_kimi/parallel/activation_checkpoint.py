@@ -17,6 +17,11 @@ _ALWAYS_SAVE = {
     torch.ops.titan_kimi.kda_cp.default,
     torch.ops.titan_kimi.sparse_mla.default,
     torch.ops.titan_kimi.indexer_topk.default,
+    # indexer distillation: a whole pass over the keys each, small outputs ([T], [T, k])
+    torch.ops.titan_kimi.attention_lse.default,
+    torch.ops.titan_kimi.indexer_dense_kl.default,
+    torch.ops.titan_kimi.indexer_sparse_target.default,
+    torch.ops.titan_kimi.indexer_scores_at.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,

@@ -70,7 +70,8 @@ class ContextParallel:
         exchange = ContextExchange(self, seg_start, whole.cu_seqlens, total)
         return SequenceInfo(batch, seq_len, flat_seg_start=(seg_start + rows).reshape(-1), seg_start=seg_start,
                             pos_in_seg=whole.pos_in_seg[:, pos], cu_seqlens=whole.cu_seqlens,
-                            positions=pos.expand(batch, -1), exchange=exchange)
+                            positions=pos.expand(batch, -1), exchange=exchange,
+                            is_real=(doc_ids[:, pos] != 0).reshape(-1))
 
 
 class ContextExchange:

@@ -20,7 +20,8 @@ from titan_kimi.training.build import build_meta_model
 
 def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range) -> tuple[int, RankBytes]:
     """(parameters on one rank, bytes one rank holds for them) for one stage."""
-    model = build_meta_model(args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer,
+    model = build_meta_model(args, DTYPES[cfg.model.dtype], indexer_mode=cfg.indexer.mode,
+                             warmup_trains=cfg.indexer.warmup_trains,
                              layer_range=layer_range)
     counts = count_stage_params(model)
     compute = DTYPES[cfg.training.param_dtype] if cfg.training.mixed_precision else DTYPES[cfg.model.dtype]

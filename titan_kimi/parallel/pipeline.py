@@ -39,7 +39,7 @@ class PipelineStageModule(nn.Module):
         self.autocast_dtype = autocast_dtype
 
     def forward(self, *inputs: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, normalizer: float | None = None):
+                labels: torch.Tensor | None = None, normalizer: float | None = None, **indexer):
         device_type = inputs[0].device.type
         autocast = (torch.autocast(device_type, dtype=self.autocast_dtype) if self.autocast_dtype
                     else contextlib.nullcontext())
@@ -48,10 +48,12 @@ class PipelineStageModule(nn.Module):
             if self.part.is_first and len(inputs) == 3:  # tokens, per-sample pixel and grid slots
                 inputs, (pixels, grids) = inputs[:1], inputs[1:]
                 images = dict(zip(("pixel_values", "grid_thws"), unpad_images(pixels, grids)))
+            # indexer: the model's indexer arguments while it trains (a float scale and a bool, replicated to
+            # every microbatch); each stage's layers attach their KL to their own outputs
             if self.part.is_last:
-                hidden = self.part(*inputs, doc_ids=doc_ids, return_hidden=True, **images)
+                hidden = self.part(*inputs, doc_ids=doc_ids, return_hidden=True, **images, **indexer)
                 return self.loss_fn(self.part.output, hidden, labels, normalizer)
-            hidden, bank = self.part(*inputs, doc_ids=doc_ids, **images)
+            hidden, bank = self.part(*inputs, doc_ids=doc_ids, **images, **indexer)
         hidden, bank = hidden.to(self.boundary_dtype), bank.to(self.boundary_dtype)
         if bank._is_view():
             # FSDP hands a passed-through bank back as a view, which zero-bubble schedules cannot detach in place.
@@ -151,8 +153,10 @@ class PipelineRunner:
                 if isinstance(sub, FSDPModule):
                     sub.unshard(async_op=True)
 
-    def step(self, batch: dict[str, torch.Tensor], normalizer: float, *, backward: bool = True) -> torch.Tensor:
-        """The sum of this rank's last-stage microbatch losses (zero on ranks without the last stage)."""
+    def step(self, batch: dict[str, torch.Tensor], normalizer: float, *, backward: bool = True,
+             extra: dict | None = None) -> torch.Tensor:
+        """The sum of this rank's last-stage microbatch losses (zero on ranks without the last stage). ``extra``:
+        further keyword arguments of every stage (non-tensors, which the schedule hands to each microbatch)."""
         if self.prefetch_weights and backward and self._steps:
             self._prefetch()
         self._steps += 1
@@ -160,7 +164,7 @@ class PipelineRunner:
         args = (batch["input_ids"],) if self.has_first else ()
         if self.has_first and self.images is not None:
             args += self.images.pad(batch["input_ids"], batch["pixel_values"], batch["grid_thws"])
-        kwargs = dict(doc_ids=batch["doc_ids"], labels=batch["labels"], normalizer=normalizer)
+        kwargs = dict(doc_ids=batch["doc_ids"], labels=batch["labels"], normalizer=normalizer, **(extra or {}))
         run = self.schedule.step if backward else self.schedule.eval
         # Outputs are scalar losses, which the schedule cannot merge into a batch: never ask for them.
         extra = {"return_outputs": False} if _accepts(self.schedule.step, "return_outputs") else {}

@@ -8,6 +8,7 @@ from titan_kimi.checkpoint.hf_config import model_args_from_hf, read_hf_config
 from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer
 from titan_kimi.data.chat import IMAGE_PLACEHOLDER
 from titan_kimi.dtypes import DTYPES
+from titan_kimi.training.indexer_training import apply_indexer_trainability, indexer_args
 from titan_kimi.lora import LoRASettings, apply_lora
 from titan_kimi.models.kimi_k3 import KimiK3Model, KimiK3ModelArgs, model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
@@ -24,6 +25,7 @@ def model_args_from_config(cfg) -> KimiK3ModelArgs:
             raise ValueError(f"model.hf_config_path: {err}") from None
     else:
         args = model_args_for(cfg.model.flavor)
+    args = indexer_args(args, cfg)
     args.max_seq_len = cfg.training.seq_len
     return args
 
@@ -75,7 +77,8 @@ def build_meta_model(
     args: KimiK3ModelArgs,
     dtype: torch.dtype,
     *,
-    freeze_indexer: bool,
+    indexer_mode: str = "frozen",
+    warmup_trains: str = "indexer",
     vision: KimiK3VisionArgs | None = None,
     freeze_vision_tower: bool = True,
     lora: LoRASettings | None = None,
@@ -84,20 +87,17 @@ def build_meta_model(
     """The model (or the pipeline stage of layers ``layer_range``) on the meta device in ``dtype``
     (fp32-by-design parameters stay fp32): the image-text model when ``vision`` is given. With ``lora`` every
     base weight is frozen and adapters are added (materialise, then ``titan_kimi.lora.reset_adapters``);
-    without, the indexer and (``freeze_vision_tower``) the tower are frozen."""
+    without, (``freeze_vision_tower``) the tower is frozen. The indexer trains as ``indexer_mode`` and
+    ``warmup_trains`` say (``[indexer]``; ``titan_kimi.training.indexer_training``)."""
     with torch.device("meta"):
         model = (KimiK3VLModel(args, vision, layer_range) if vision is not None
                  else KimiK3Model(args, layer_range=layer_range))
     cast_model_dtype(model, dtype)
-    if not freeze_indexer:
-        raise ValueError(
-            "model.freeze_indexer = false: the indexer only receives a gradient from a distillation loss, which "
-            "titan_kimi does not build yet; keep it true"
-        )
     if vision is not None and freeze_vision_tower and model.vision_tower is not None:
         model.vision_tower.requires_grad_(False)
     if lora is not None:  # a stage may hold none of a target group's modules (the tower is on the first)
         apply_lora(model, lora, require_matches=layer_range is None)
+    apply_indexer_trainability(model, indexer_mode, warmup_trains)
     return model
 
 
@@ -106,7 +106,7 @@ def build_model_from_config(cfg, args: KimiK3ModelArgs, tokenizer: KimiTokenizer
     """``build_meta_model`` with the job config's dtype, vision tower, freezing, ``[lora]`` settings and DSA
     dense shortcut."""
     model = build_meta_model(
-        args, DTYPES[cfg.model.dtype], freeze_indexer=cfg.model.freeze_indexer,
+        args, DTYPES[cfg.model.dtype], indexer_mode=cfg.indexer.mode, warmup_trains=cfg.indexer.warmup_trains,
         vision=vision_args_from_config(cfg, tokenizer), freeze_vision_tower=cfg.model.freeze_vision_tower,
         lora=LoRASettings.from_config(cfg.lora) if cfg.lora.enable else None, layer_range=layer_range,
     )

@@ -17,8 +17,10 @@ SETTINGS = tuple(KernelSettings.__dataclass_fields__)
 
 def unused_ops(args: Any) -> set[str]:
     """The ``[kernels]`` ops a model of these args never calls: the indexer and sparse MLA without a K3.1
-    indexer (every op may run in a K3.1 model: its DSA layers take the dense path only for short documents)."""
-    return set() if args.has_indexer else {"indexer_topk", "sparse_mla"}
+    indexer (every op may run in a K3.1 model: its DSA layers take the dense path only for short documents),
+    and the indexer's distillation unless it trains."""
+    unused = set() if args.has_indexer else {"indexer_topk", "sparse_mla"}
+    return unused if args.indexer_trains else unused | {"indexer_distillation"}
 
 
 def configure_kernels(kernels: Any, args: Any) -> dict[str, Any]:

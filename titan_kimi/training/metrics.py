@@ -41,6 +41,10 @@ class StepMetrics:
     expert_load_min: float | None = None  # least loaded expert / balanced share (worst MoE layer)
     images: int = 0  # images in the global batch (image-text data)
     images_per_sec: float = 0.0
+    # indexer.mode warmup / sparse, on logging steps: mean KL per query and DSA layer since the last logging
+    # step, and the recall (mass of the main attention inside the top-k) of this step
+    indexer_kl: float | None = None
+    indexer_recall: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -93,6 +97,9 @@ class MetricsLogger:
                 note = f"  experts {m.expert_load_min:.2f}-{m.expert_load_max:.2f}x{note}"
             if self._bar:
                 sys.stderr.write("\n")
+            if m.indexer_kl is not None:
+                recall = f" recall {m.indexer_recall:.3f}" if m.indexer_recall is not None else ""
+                note = f"  indexer kl {m.indexer_kl:.4f}{recall}{note}"
             images = f"  img/s {m.images_per_sec:.1f}" if m.images else ""
             logger.info(
                 "step %d  loss %.4f  grad_norm %.3f  lr %.2e  tok/s %.0f%s  mfu %.2f%%  mem %.2f GiB  step %.3fs%s",

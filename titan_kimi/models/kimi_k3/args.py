@@ -22,6 +22,9 @@ def default_full_attn_layers(n_layers: int) -> tuple[int, ...]:
     return tuple(layers)
 
 
+INDEX_TRAINING_MODES = ("frozen", "warmup", "sparse")
+
+
 @dataclass
 class KimiK3ModelArgs(BaseModelArgs):
     # Embedding / output
@@ -55,6 +58,11 @@ class KimiK3ModelArgs(BaseModelArgs):
     index_topk: int = 2048
     index_rope: bool = False
     index_norm_eps: float = 1e-6
+    # How the indexer trains (titan_kimi.models.kimi_k3.indexer_distillation): "frozen" (hard top-k, no
+    # gradient), "warmup" (dense attention; the indexer distils the main attention over every causal key) or
+    # "sparse" (sparse attention; the indexer distils it over the keys it selected). A training setting, not a
+    # property of the weights: checkpoints of one mode load in another.
+    index_training: str = "frozen"
     # Dense MLP (layers < first_k_dense_replace)
     inter_dim: int = 33792
     first_k_dense_replace: int = 1
@@ -137,6 +145,11 @@ class KimiK3ModelArgs(BaseModelArgs):
                 raise bad("index_head_dim/index_topk", (self.index_head_dim, self.index_topk), "must be >= 1")
             if self.q_lora_rank == 0:
                 raise bad("q_lora_rank", 0, "the indexer reads the q-LoRA latent, so q_lora_rank must be > 0")
+        if self.index_training not in INDEX_TRAINING_MODES:
+            raise bad("index_training", self.index_training, f"valid: {', '.join(map(repr, INDEX_TRAINING_MODES))}")
+        if self.index_training != "frozen" and not self.index_n_heads:
+            raise bad("index_training", self.index_training, "the model has no indexer (index_n_heads = 0); valid: "
+                      "'frozen', or a model with an indexer")
         if self.index_rope:
             raise bad("index_rope", True, "K3 is NoPE: the indexer applies no rotary embedding (must be False)")
         if self.first_k_dense_replace > self.n_layers:
@@ -155,12 +168,20 @@ class KimiK3ModelArgs(BaseModelArgs):
         return self.index_n_heads > 0
 
     @property
+    def indexer_trains(self) -> bool:
+        return self.index_training != "frozen"
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def num_attn_res_blocks(self) -> int:
         return -(-self.n_layers // self.attn_res_block_size) if self.attn_res_block_size else 0
+
+    def without_indexer(self) -> "KimiK3ModelArgs":
+        """The same model as K3: no indexer (so none to train)."""
+        return self.replace(index_n_heads=0, index_training="frozen")
 
     def replace(self, **changes: Any) -> "KimiK3ModelArgs":
         if "n_layers" in changes and "kda_layers" not in changes and "full_attn_layers" not in changes:

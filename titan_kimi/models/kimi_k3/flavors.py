@@ -52,6 +52,13 @@ _FLAVORS: dict[str, dict] = {
 }
 
 
+def added_indexer_fields(flavor: str | None) -> dict:
+    """The indexer fields a K3 model gains (``model.add_indexer``): those of the flavor's K3.1 sibling
+    (``k3_debug`` -> ``k31_debug``), or the K3.1 indexer for a model built from a config.json (``flavor`` None)."""
+    sibling = _FLAVORS.get("k31" + flavor[2:], {}) if flavor and flavor.startswith("k3") else {}
+    return {k: sibling.get(k, v) for k, v in _K31_INDEXER.items()}
+
+
 def flavor_names() -> list[str]:
     return list(_FLAVORS)
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 from lowerings import ops
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.indexer import Indexer
+from titan_kimi.models.kimi_k3.indexer_distillation import distilled_attention
 from titan_kimi.models.kimi_k3.init import init_linear
 from titan_kimi.models.kimi_k3.norms import RMSNorm
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo
@@ -59,17 +60,20 @@ class GatedMLA(nn.Module):
             # queries stay local and keys are expanded from the whole row's latent.
             latent = seq.exchange.gather(torch.cat([c_kv, k_rope], dim=-1))
             c_kv, k_rope = latent.split([self.kv_lora_rank, self.rope], dim=-1)
-        if self.indexer is None or seq.dsa_dense:
+        if self.indexer is not None and self.indexer.trains:
+            out = distilled_attention(self, x, q, q_latent, c_kv, k_rope, seq)
+        elif self.indexer is None or seq.dsa_dense:
             # dsa_dense: the top-k would be every causal key, and the absorbed sparse form equals the dense one.
-            out = self._dense_attention(q, c_kv, k_rope, seq)
+            out = self.dense_attention(q, c_kv, k_rope, seq)
         else:
-            out = self._sparse_attention(q, c_kv, k_rope, self.indexer(x, q_latent, seq))
+            latent = torch.cat([c_kv, k_rope], dim=-1).view(-1, self.kv_lora_rank + self.rope)  # all rows' keys
+            out = self.sparse_attention(self.latent_queries(q), latent, self.indexer(x, q_latent, seq), B, S)[0]
         out = out.reshape(B, S, n * self.v_dim)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
 
-    def _dense_attention(self, q, c_kv, k_rope, seq: SequenceInfo) -> torch.Tensor:
+    def dense_attention(self, q, c_kv, k_rope, seq: SequenceInfo) -> torch.Tensor:
         B, _, n, _ = q.shape
         Sk = c_kv.shape[1]  # the whole row's keys under context parallelism, else the queries' own
         k_nope, v = self.kv_b_proj(c_kv).view(B, Sk, n, self.nope + self.v_dim).split([self.nope, self.v_dim], dim=-1)
@@ -77,17 +81,22 @@ class GatedMLA(nn.Module):
         return ops.causal_attention(q, k, v, scale=self.scale, seg_start=seq.seg_start, q_positions=seq.positions,
                                     cu_seqlens=seq.cu_seqlens)
 
-    def _sparse_attention(self, q, c_kv, k_rope, indices: torch.Tensor) -> torch.Tensor:
-        B, S, n, _ = q.shape
-        T = B * S
-        w_kv = linear_weight(self.kv_b_proj).view(n, self.nope + self.v_dim, self.kv_lora_rank)
-        w_k, w_v = w_kv[:, : self.nope], w_kv[:, self.nope :]
-        q_nope, q_rope = q.view(T, n, self.qk_dim).split([self.nope, self.rope], dim=-1)
-        # q_nope . (W_k c) == (W_k^T q_nope) . c: queries move into the latent space instead of keys leaving it.
-        q_latent = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_k), q_rope], dim=-1)
-        kv_latent = torch.cat([c_kv, k_rope], dim=-1).view(-1, self.kv_lora_rank + self.rope)  # all rows' keys
-        out_latent, _ = ops.sparse_mla(q_latent, kv_latent, indices, scale=self.scale, d_v=self.kv_lora_rank)
-        return torch.einsum("thc,hvc->thv", out_latent, w_v).view(B, S, n, self.v_dim)
+    def latent_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [B,S,n,qk]`` -> ``[T,n,kv_lora+rope]`` in the absorbed form: q_nope . (W_k c) == (W_k^T q_nope) . c,
+        so queries move into the latent space instead of keys leaving it."""
+        n = self.n_heads
+        w_k = linear_weight(self.kv_b_proj).view(n, self.nope + self.v_dim, self.kv_lora_rank)[:, : self.nope]
+        q_nope, q_rope = q.reshape(-1, n, self.qk_dim).split([self.nope, self.rope], dim=-1)
+        return torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_k), q_rope], dim=-1)
+
+    def sparse_attention(self, q_latent: torch.Tensor, kv_latent: torch.Tensor, indices: torch.Tensor, B: int,
+                         S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of the absorbed queries to the selected rows of ``kv_latent [rows' keys, kv_lora+rope]``:
+        ``out [B,S,n,v]`` and the per-head LSE ``[T,n]``."""
+        n = self.n_heads
+        w_v = linear_weight(self.kv_b_proj).view(n, self.nope + self.v_dim, self.kv_lora_rank)[:, self.nope :]
+        out_latent, lse = ops.sparse_mla(q_latent, kv_latent, indices, scale=self.scale, d_v=self.kv_lora_rank)
+        return torch.einsum("thc,hvc->thv", out_latent, w_v).view(B, S, n, self.v_dim), lse
 
     def init_weights(self) -> None:
         linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj]

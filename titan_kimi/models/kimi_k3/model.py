@@ -63,6 +63,8 @@ class KimiK3Model(nn.Module):
         return_hidden: bool = False,
         inputs_embeds: torch.Tensor | None = None,
         max_causal_keys: int | None = None,
+        indexer_loss_scale: float | torch.Tensor | None = None,
+        indexer_metrics: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Positional stage I/O, as pipeline stages receive it: the first stage takes ``x = tokens [B,S]``; a
         later stage takes ``x = hidden [B,S,H]`` and ``bank [B*S,m,H]`` from the stage before. Instead of tokens,
@@ -76,6 +78,11 @@ class KimiK3Model(nn.Module):
 
         ``max_causal_keys``: the most causal keys any trained query of the batch has (its longest document,
         ``titan_kimi.data.causal_keys.longest_document`` of the host batch); None = unknown, the whole row.
+
+        While the indexer trains (``args.index_training`` warmup / sparse): ``indexer_loss_scale`` weighs each
+        real query's KL in the loss (the trainer passes the KL weight over the step's real queries and DSA
+        layers; None = the mean over this forward's), and ``indexer_metrics`` measures the indexer's recall
+        (``titan_kimi.models.kimi_k3.indexer_distillation``).
         """
         if self.is_first:
             if inputs_embeds is not None:
@@ -104,6 +111,11 @@ class KimiK3Model(nn.Module):
         if seq is None:
             seq = self.build_sequence(B, S, hidden.device, doc_ids)
             seq.dsa_dense = self.dsa_dense(seq, max_causal_keys)
+        if self.args.indexer_trains:
+            if indexer_loss_scale is not None:  # a tensor, so a new value each step compiles nothing
+                seq.indexer_loss_scale = torch.as_tensor(indexer_loss_scale, dtype=torch.float32,
+                                                         device=hidden.device).reshape(())
+            seq.indexer_metrics = bool(indexer_metrics)
         for layer in self.layers.values():
             hidden, bank = layer(hidden, bank, seq)
         if not self.is_last:

@@ -71,6 +71,8 @@ class KimiK3VLModel(KimiK3Model):
         seq: SequenceInfo | None = None,
         return_hidden: bool = False,
         max_causal_keys: int | None = None,
+        indexer_loss_scale: float | torch.Tensor | None = None,
+        indexer_metrics: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """First stage: ``x = tokens [B, U]`` with one placeholder per image, ``pixel_values [L, 3, 14, 14]`` and
         ``grid_thws [N, 3]``; ``doc_ids [B, S]`` (and the labels the loss uses) describe the expanded sequence,
@@ -79,13 +81,15 @@ class KimiK3VLModel(KimiK3Model):
             if pixel_values is not None or grid_thws is not None:
                 raise ValueError(f"images go to the first stage; this stage starts at layer {self.first_layer}")
             return super().forward(x, bank, doc_ids=doc_ids, seq=seq, return_hidden=return_hidden,
-                                   max_causal_keys=max_causal_keys)
+                                   max_causal_keys=max_causal_keys, indexer_loss_scale=indexer_loss_scale,
+                                   indexer_metrics=indexer_metrics)
         if x is None or x.is_floating_point():
             raise ValueError("the image-text model's first stage takes token ids [B, U] (an integer tensor)")
         seq_len = doc_ids.shape[1] if doc_ids is not None else (seq.seq_len if seq is not None else None)
         embeds = self.embed(x, pixel_values, grid_thws, seq_len)
         return super().forward(None, doc_ids=doc_ids, seq=seq, return_hidden=return_hidden, inputs_embeds=embeds,
-                               max_causal_keys=max_causal_keys)
+                               max_causal_keys=max_causal_keys, indexer_loss_scale=indexer_loss_scale,
+                               indexer_metrics=indexer_metrics)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

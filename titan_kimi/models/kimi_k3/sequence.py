@@ -61,10 +61,43 @@ class SequenceInfo:
     # so DSA layers attend densely instead (the model sets it from host-side facts; a bool, so compiled blocks
     # see at most two values).
     dsa_dense: bool = False
+    # [B*S] bool: tokens of a document (doc id != 0), not padding; None = every token.
+    is_real: torch.Tensor | None = None
+    # Indexer training (index_training != "frozen"): the weight of each query's KL in the loss, a 0-dim fp32
+    # tensor (the KL weight over the step's count of real queries and DSA layers); None = the mean over this
+    # forward's real queries and the DSA layers.
+    indexer_loss_scale: torch.Tensor | None = None
+    # Measure the indexer's recall in this forward (a logging step: it costs the attention over every causal
+    # key in the sparse stage); a bool, so compiled blocks see at most two values.
+    indexer_metrics: bool = False
 
     @property
     def packed(self) -> bool:
         return self.seg_start is not None
+
+
+@dataclass(frozen=True)
+class QueryRun:
+    """Queries ``rows`` of the flattened local tokens, all in row ``row`` of the batch (or every row: None), with
+    their segment starts and the position of the first among the keys they read."""
+
+    rows: slice
+    row: int | None
+    seg_start: torch.Tensor
+    q_offset: int
+
+
+def query_runs(seq: SequenceInfo) -> list[QueryRun]:
+    """How ops that take every causal key see a batch: without context parallelism one run of all tokens against
+    the flattened keys (flat segment starts keep each query inside its row and document); under context
+    parallelism one run per local piece of each row, against that row's gathered keys from its global start."""
+    if seq.exchange is None:
+        return [QueryRun(slice(0, seq.batch * seq.seq_len), None, seq.flat_seg_start, 0)]
+    S = seq.seq_len
+    piece = S // len(seq.exchange.part_starts)
+    return [QueryRun(slice(b * S + p * piece, b * S + (p + 1) * piece), b,
+                     seq.seg_start[b, p * piece:(p + 1) * piece], start)
+            for b in range(seq.batch) for p, start in enumerate(seq.exchange.part_starts)]
 
 
 MIN_SEGMENT_SLOTS = 64
@@ -111,4 +144,5 @@ def build_sequence_info(batch: int, seq_len: int, device: torch.device, doc_ids:
         seg_start=seg_start,
         pos_in_seg=pos - seg_start,
         cu_seqlens=cu_seqlens,
+        is_real=(doc_ids != 0).reshape(-1),
     )

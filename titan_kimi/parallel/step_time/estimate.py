@@ -99,7 +99,8 @@ class StepTimeModel:
         if layer_range not in self._counts:
             from titan_kimi.training.build import build_meta_model
 
-            model = build_meta_model(self.args, DTYPES[self.cfg.model.dtype], freeze_indexer=self.cfg.model.freeze_indexer,
+            model = build_meta_model(self.args, DTYPES[self.cfg.model.dtype], indexer_mode=self.cfg.indexer.mode,
+                                     warmup_trains=self.cfg.indexer.warmup_trains,
                                      vision=self.vision, freeze_vision_tower=self.cfg.model.freeze_vision_tower,
                                      layer_range=layer_range)
             self._counts[layer_range] = count_stage_params(model)

@@ -1,0 +1,94 @@
+"""The indexer-distillation Triton kernels (lowerings/kernels/indexer_kl.py) against the row-chunked references
+on fresh random inputs: under the CPU interpreter at tiny shapes, and (@pytest.mark.gpu) at k31_small's shape in
+bf16, forward and backward."""
+
+import pytest
+import torch
+
+from lowerings.ops import indexer_kl_reference as ref
+from lowerings.ops.indexer_topk import indexer_topk_reference
+
+from test_triton_kernels import _interp_mods, ik  # noqa: F401 (fixtures)
+
+
+def packed(lengths: list[int], device="cpu") -> torch.Tensor:
+    return torch.cat([torch.full((n,), sum(lengths[:i]), dtype=torch.int32) for i, n in enumerate(lengths)]).to(device)
+
+
+def make(T: int, H: int, D: int, HI: int, DI: int, dtype=torch.float32, device="cpu", seed=0, Tk=None):
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s, std=1.0: (torch.randn(*s, generator=g, device=device) * std)
+    Tk = Tk or T
+    return dict(iq=r(T, HI, DI).to(dtype), ik=r(Tk, DI).to(dtype), iw=r(T, HI).abs() * HI**-0.5,
+                q=r(T, H, D, std=2.0).to(dtype), kv=r(Tk, D).to(dtype))
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def check_dense(mod, t, seg, q_offset, bound, config=None):
+    scale, iscale = t["q"].shape[-1] ** -0.5, t["iq"].shape[-1] ** -0.5
+    f32 = {k: v.float() for k, v in t.items()}
+    lse = mod.attention_lse(t["q"], t["kv"], seg, scale, q_offset, config=config)
+    lse_ref = ref.attention_lse_reference(f32["q"], f32["kv"], seg, scale, q_offset)
+    assert rel(lse, lse_ref) < bound
+    kl, stats = mod.dense_kl(t["iq"], t["ik"], t["iw"], t["q"], t["kv"], lse_ref, seg, q_offset, iscale, scale,
+                             config=config)
+    kl_ref, stats_ref = ref.dense_kl_reference(f32["iq"], f32["ik"], f32["iw"], f32["q"], f32["kv"], lse_ref, seg,
+                                               q_offset, iscale, scale)
+    assert rel(kl, kl_ref) < bound and rel(stats, stats_ref) < bound
+    grad = torch.rand(kl.shape[0], generator=torch.Generator().manual_seed(9)).to(kl.device)
+    got = mod.dense_kl_backward(grad, t["iq"], t["ik"], t["iw"], t["q"], t["kv"], lse_ref, seg, stats, q_offset,
+                                iscale, scale, config=config)
+    want = ref.dense_kl_backward_reference(grad, f32["iq"], f32["ik"], f32["iw"], f32["q"], f32["kv"], lse_ref, seg,
+                                           q_offset, iscale, scale)
+    for name, a, b in zip(("dq", "dk", "dw"), got, want):
+        assert rel(a, b) < bound, (name, rel(a, b))
+
+
+def check_sparse(mod, t, seg, k, bound, config=None):
+    scale, iscale = t["q"].shape[-1] ** -0.5, t["iq"].shape[-1] ** -0.5
+    f32 = {n: v.float() for n, v in t.items()}
+    idx = indexer_topk_reference(f32["iq"], f32["ik"], f32["iw"], seg, k, iscale)
+    lse = ref.attention_lse_reference(f32["q"], f32["kv"], seg, scale)  # any per-head LSE: p is L1-normalised
+    p = mod.sparse_target(t["q"], t["kv"], lse, idx, scale, config=config)
+    assert rel(p, ref.sparse_target_reference(f32["q"], f32["kv"], lse, idx, scale)) < bound
+    scores = mod.scores_at(t["iq"], t["ik"], t["iw"], idx, iscale, config=config)
+    want = ref.scores_at_reference(f32["iq"], f32["ik"], f32["iw"], idx, iscale)
+    assert torch.equal(torch.isinf(scores), idx < 0) and rel(scores[idx >= 0], want[idx >= 0]) < bound
+    d_scores = torch.randn(idx.shape, generator=torch.Generator().manual_seed(8)).to(scores.device)
+    got = mod.scores_at_backward(d_scores, t["iq"], t["ik"], t["iw"], idx, iscale, config=config)
+    want = ref.scores_at_backward_reference(d_scores, f32["iq"], f32["ik"], f32["iw"], idx, iscale)
+    for name, a, b in zip(("dq", "dk", "dw"), got, want):
+        assert rel(a, b) < bound, (name, rel(a, b))
+
+
+# fp32 under the interpreter (bf16 on the GPU below). Its default tiles are 16 keys and 16 heads per step, so
+# H = 20 takes two head blocks and D = 40 a 32 + 8 split; documents longer than 16 span several key blocks.
+def test_dense_kernels_match_the_reference_with_packed_documents(ik):
+    check_dense(ik.indexer_kl, make(34, 20, 40, 4, 16), packed([18, 3, 13]), 0, 1e-5)
+
+
+def test_dense_kernels_on_a_slice_of_queries_against_the_whole_rows_keys(ik):
+    """Context parallelism's call: queries 20..39 of a 48-token row (q_offset 20)."""
+    seg = packed([13, 35])[20:32]
+    check_dense(ik.indexer_kl, make(12, 3, 24, 2, 16, seed=1, Tk=48), seg.contiguous(), 20, 1e-5)
+
+
+def test_sparse_kernels_match_the_reference_with_packed_documents(ik):
+    check_sparse(ik.indexer_kl, make(36, 20, 40, 4, 16, seed=2), packed([21, 3, 12]), 18, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_kernels_at_k31_small_shape_in_bf16(mode):
+    """T = 4,096 (two documents), 16 heads x 576 (absorbed MLA), 64 x 128 indexer heads, top-2,048."""
+    from lowerings.kernels import indexer_kl
+
+    seg = packed([1500, 2596], device="cuda")
+    t = make(4096, 16, 576, 64, 128, torch.bfloat16, device="cuda", seed=3)
+    if mode == "dense":
+        check_dense(indexer_kl, t, seg, 0, 2e-2)
+    else:
+        check_sparse(indexer_kl, t, seg, 2048, 2e-2)
