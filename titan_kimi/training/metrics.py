@@ -164,7 +164,20 @@ class MetricsLogger:
             self._tb.close()
 
 
+class _CurrentStdout(logging.StreamHandler):
+    """Writes each record to whatever ``sys.stdout`` is then: a harness that swaps stdout (pytest's capture, a
+    launcher) must not leave the trainer's logging bound to a closed stream."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it; the property wins
+        pass
+
+
 def setup_logging(rank: int) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{rank}] %(asctime)s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stdout, force=True)
+                        handlers=[_CurrentStdout()], force=True)
