@@ -335,6 +335,41 @@ def wait_for_flash_mla_build(r: Runner, folder: Path) -> None:
         r.env["PYTHONPATH"] += ":/tmp/flash_site"
 
 
+# ----------------------------------------------------------------------------------------------- checks and layouts
+
+def checked_script(r: Runner, folder: Path, name: str, script: str, *args: str, timeout: int) -> None:
+    """A script that writes its own report under ``--out <folder>``; its output goes to ``<name>.log``."""
+    r.run(name, Command(python(script, *args, "--out", str(folder)), log=folder / f"{name}.log", timeout=timeout))
+    r.tail(folder / f"{name}.log", 24)
+
+
+def resume_exactness(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "resume_exactness", "scripts/check/resume_exactness.py", "--budget-s", "515",
+                   timeout=545)
+
+
+def indexer_training(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "indexer_training", "scripts/check/indexer_training.py", "--part", "learning",
+                   timeout=400)
+
+
+def indexer_throughput(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "indexer_throughput", "scripts/check/indexer_training.py", "--part", "throughput",
+                   timeout=330)
+
+
+def rank_slice_k31(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config", "train_configs/k31.toml",
+                   "--world-size", "256", "--table", str(folder / "step_time_h200.json"), "--parts", "layers",
+                   "stage", timeout=400)
+
+
+def rank_slice_hellaswag(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config",
+                   "train_configs/k3_hellaswag.toml", "--world-size", "256", "--table",
+                   str(folder / "step_time_h200.json"), "--parts", "layers", "stage", timeout=400)
+
+
 # ----------------------------------------------------------------------------------------------- script parts
 
 def script_part(spec: str) -> Part:
@@ -399,6 +434,15 @@ def single_gpu_parts() -> list[Part]:
              op_moe_alignment),
         Part("flash_mla_build", "build FlashMLA's sm90 sparse forward in the background (for op_sparse_attention "
                                 "and the flash_mla tests)", flash_mla_build),
+        Part("resume_exactness", "k3_small 20 steps straight (cold, warm) vs 10 + resume + 10 (warm, cold caches)",
+             resume_exactness),
+        Part("indexer_training", "K3 dense -> add indexer -> warm-up -> sparse stage beside a dense control: KL, "
+                                 "recall, loss gap", indexer_training),
+        Part("indexer_throughput", "k31_small as shipped with indexer.mode frozen / warmup / sparse: tokens/s",
+             indexer_throughput),
+        Part("rank_slice_k31", "one rank of k31.toml at 256 GPUs at full width: per layer kind, its schedule, peak "
+                               "memory; writes the step-time table", rank_slice_k31),
+        Part("rank_slice_hellaswag", "the same for k3_hellaswag.toml", rank_slice_hellaswag),
     ]
 
 
