@@ -57,8 +57,9 @@ def assert_same(a, b):
     (loss_a, grads_a), (loss_b, grads_b) = a, b
     assert torch.allclose(loss_a, loss_b, rtol=1e-5, atol=1e-6)
     assert grads_a.keys() == grads_b.keys()
-    for name in grads_a:
-        assert torch.allclose(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6), name
+    for name in grads_a:  # relative L2 per tensor: elementwise bounds fail on near-zero entries (fp32 sums of many tokens)
+        error = float((grads_a[name] - grads_b[name]).norm() / grads_b[name].norm().clamp_min(1e-30))
+        assert error < 5e-5, (name, error)
 
 
 # Rows of several documents (lengths 1 and odd among them), padding at the end of one, one of a single document.
