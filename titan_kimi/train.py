@@ -36,7 +36,8 @@ from titan_kimi.lora import load_adapters, merged_tensors, save_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.models.kimi_k3.multimodal import VISION_PREFIXES, KimiK3VLModel
 from titan_kimi.models.kimi_k3.vision_accounting import vision_flops
-from titan_kimi.parallel.distributed import DistEnv, all_reduce_sum, destroy, init_distributed, pick_device
+from titan_kimi.parallel.distributed import (DistEnv, all_reduce_sum, destroy, host_all_reduce, init_distributed,
+                                             pick_device)
 from titan_kimi.parallel.context_parallel import ContextParallel
 from titan_kimi.parallel.fsdp import ReplicatedGradients
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
@@ -59,7 +60,7 @@ from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
 from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
 from titan_kimi.training.optimizer import OptimizerParts, SchedulerParts, build_lr_scheduler, build_optimizer
 from titan_kimi.training.profiling import StepProfiler, gather_profiles
-from titan_kimi.training.router_load import RouterLoad
+from titan_kimi.training.router_load import RouterLoad, load_of
 from titan_kimi.training.seeded_init import init_weights_seeded
 from titan_kimi.training.shutdown import StopRequest, stop_run
 
@@ -327,15 +328,18 @@ class Trainer:
         model gets the whole sequences' doc_ids); otherwise the batch itself."""
         return self.context_parallel.shard_batch(batch) if self.context_parallel is not None else batch
 
-    def _global_valid_tokens(self, batches: list[dict]) -> torch.Tensor:
-        """Tokens with a label over the whole optimizer step: every micro-batch of every data-parallel rank. Each
-        CP rank counts its own share of the sequences, so the world sum counts every token once per pipeline
-        rank (the ranks of one pipeline read the same batch)."""
-        local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)  # on the host: no device sync
-        total = all_reduce_sum(torch.tensor(float(local), dtype=torch.float32, device=self.device))
-        return total / self.layout.pp
+    def _step_totals(self, host: list[dict]) -> tuple[float, int, float]:
+        """This step's sums over every rank of what its host batches hold, in one host collective before the
+        forward (no device copy, no wait for the device): the tokens with a label over every micro-batch of
+        every data-parallel rank, and the images and the tower's FLOPs (`_image_work`). Each CP rank counts its
+        own share of the sequences, so the world sum counts every token once per pipeline rank (the ranks of
+        one pipeline read the same batch); the count is exact, then divided by the pipeline degree."""
+        local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)
+        images, image_flops = self._image_work(host)
+        valid, images, image_flops = host_all_reduce([float(local), float(images), image_flops])
+        return valid / self.layout.pp, int(images), image_flops
 
-    def _micro_step(self, batch: dict, normalizer: torch.Tensor, *, backward: bool,
+    def _micro_step(self, batch: dict, normalizer: torch.Tensor | float, *, backward: bool,
                     max_causal_keys: int | None = None, indexer: dict | None = None) -> torch.Tensor:
         """Forward (and backward) of one local batch; returns this rank's share of the normalised loss.
         ``max_causal_keys``: the host batch's longest document (the DSA dense shortcut); pipeline stages build
@@ -358,11 +362,17 @@ class Trainer:
                                    as_float=self.pipeline is not None)
 
     def train_step(self, data_iter) -> StepMetrics:
+        """One optimizer step. The host reads the device once, after the backward: the gradient norm (which
+        decides skip or stop), the loss and the router load together (`clip_gradients`' ``read_with``)."""
         cfg, t0 = self.cfg, time.perf_counter()
         host = [self._local(next(data_iter)) for _ in range(self.accum_steps)]
         # The loss of every micro-batch on every rank is divided by the step's global count of valid tokens.
-        global_valid = self._global_valid_tokens(host)
-        batches = [{k: v.to(self.device) for k, v in b.items()} for b in host]
+        valid, images, image_flops = self._step_totals(host)
+        # a fill kernel for the device's normaliser and asynchronous copies of the batches: a blocking
+        # host-to-device copy would wait for the previous step's queued work
+        global_valid = valid if self.pipeline is not None else torch.full(
+            (), valid, dtype=torch.float32, device=self.device)
+        batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
         longest = [longest_document(b["doc_ids"]) for b in host]  # whole rows' doc_ids, also under CP
         logged = self.step % cfg.metrics.log_freq == 0 or self.step == cfg.training.steps
         indexer = self._indexer_inputs(host, measure=logged)
@@ -371,9 +381,13 @@ class Trainer:
             loss_sum += self._micro_step(batch, global_valid, backward=True, max_causal_keys=keys, indexer=indexer)
         self.replicated.sync()
         # ranks without the last pipeline stage add 0; each CP rank adds its share of the sequences
-        loss_value = float(all_reduce_sum(loss_sum))
+        loss = all_reduce_sum(loss_sum)
+        load = self.router_load.reduce_and_reset()
         clip = clip_gradients(self.named_params, cfg.training.max_norm,
-                              self.meshes.pp_group if self.meshes is not None else None)
+                              self.meshes.pp_group if self.meshes is not None else None,
+                              read_with=(loss,) if load is None else (loss, load))
+        loss_value, *load_values = clip.read_with
+        load = load_of(load_values) if load_values else None
         skipped = not clip.finite
         if skipped:
             message = f"step {self.step}: non-finite gradients (norm {clip.grad_norm}) in {clip.report}"
@@ -388,14 +402,12 @@ class Trainer:
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        load = self.router_load.read_and_reset()
         reading = self.indexer_metrics.read_and_reset() if self.indexer_metrics is not None and logged else None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        # No device sync: the optimizer step stays queued and the next step's read of the norm waits for it, so
+        # in a running loop each step's interval holds one step of device work.
         dt = time.perf_counter() - t0
         tokens = self.global_batch * cfg.training.seq_len  # processed tokens, padding included
         per_device = tokens / dt / self.layout.world_size
-        images, image_flops = self._image_work(host)
         flops = tokens * self.flops_per_token + image_flops
         return StepMetrics(
             step=self.step, loss=loss_value, grad_norm=clip.grad_norm, lr=lr, tokens=tokens, step_time=dt,
@@ -408,7 +420,8 @@ class Trainer:
         )
 
     def _image_work(self, batches: list[dict]) -> tuple[int, float]:
-        """Images in the step over all ranks, and the tower's and projector's FLOPs on them (host batches)."""
+        """Images in this rank's host batches, and the tower's and projector's FLOPs on them (`_step_totals`
+        sums them over the ranks)."""
         if self.vision is None:
             return 0, 0.0
         # Under pipelining only the ranks of the first stage (the tower's) count, so each image counts once.
@@ -417,8 +430,7 @@ class Trainer:
         trains = lambda module: module is not None and any(p.requires_grad for p in module.parameters())
         local = vision_flops(self.vision, self.args.dim, grids, tower_trained=trains(model.vision_tower),
                              projector_trained=trains(model.mm_projector)) if model is not None else 0.0
-        total = all_reduce_sum(torch.tensor([len(grids), local], dtype=torch.float64, device=self.device))
-        return int(total[0]), float(total[1])
+        return len(grids), float(local)
 
     @torch.no_grad()
     def validate(self) -> None:
@@ -449,7 +461,7 @@ class Trainer:
         cfg = self.cfg
         gc.disable()
         data_iter = iter(self.dataloader)
-        stop = StopRequest(self.device).install()  # SIGTERM/SIGINT: finish the step, save, exit 128 + signal
+        stop = StopRequest().install()  # SIGTERM/SIGINT: finish the step, save, exit 128 + signal
         if self.module_prewarm is not None and self.module_prewarm.processes:
             self.module_prewarm.wait(timeout_s=600)  # their graphs are in Inductor's cache before the first step
             if self.startup is not None:

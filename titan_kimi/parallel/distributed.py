@@ -59,6 +59,32 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+_host_group: dist.ProcessGroup | None = None
+
+
+def host_group() -> dist.ProcessGroup | None:
+    """A gloo group over every rank for collectives of host numbers (the default group when it is gloo already):
+    they block the host alone, never wait for the device's queue, and copy nothing to or from it."""
+    global _host_group
+    if dist.get_backend() == "gloo":
+        return None  # the default group
+    if _host_group is None:
+        _host_group = dist.new_group(backend="gloo")
+    return _host_group
+
+
+def host_all_reduce(values: list[float], op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+    """``values`` (host numbers) reduced with ``op`` over every rank on the host, in float64 (exact for integers
+    below 2**53, in any order); unchanged in a plain single process."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=op, group=host_group())
+    return tensor.tolist()
+
+
 def destroy() -> None:
+    global _host_group
+    _host_group = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

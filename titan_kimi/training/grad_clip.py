@@ -24,6 +24,7 @@ class ClipResult:
     grad_norm: float  # before clipping
     finite: bool
     report: str  # names of parameters with non-finite gradients, when not finite
+    read_with: tuple[float, ...] = ()  # the elements of clip_gradients' ``read_with`` tensors, in order
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -98,13 +99,15 @@ def nonfinite_report(named_params: list[tuple[str, torch.nn.Parameter]], limit: 
 
 @torch.no_grad()
 def clip_gradients(named_params: list[tuple[str, torch.nn.Parameter]], max_norm: float,
-                   pp_group: dist.ProcessGroup | None = None) -> ClipResult:
+                   pp_group: dist.ProcessGroup | None = None,
+                   read_with: tuple[torch.Tensor, ...] = ()) -> ClipResult:
     """Clip to ``max_norm`` if the global norm is finite (every rank decides alike: the norm is global).
 
     One multi-tensor norm per device/dtype and one multi-tensor scale with a coefficient that stays on the
     device; the only host sync is reading the norm, after the scaling is queued. A finite norm means every
     gradient is finite, and scaling finite values by a coefficient <= 1 keeps them finite, so the clipped
-    gradients need no second check."""
+    gradients need no second check. ``read_with``: device tensors (the step's loss, its router load) read to the
+    host in the same copy as the norm, in float64 (exact for float32 and bf16), so that the step syncs once."""
     grads = [p.grad for _, p in named_params if p.grad is not None]
     norm = _total_norm(grads, pp_group)
     finite = torch.isfinite(norm)
@@ -115,7 +118,8 @@ def clip_gradients(named_params: list[tuple[str, torch.nn.Parameter]], max_norm:
         # per-tensor slow path (measured: 349 separate bf16 mul_ kernels, 14 ms for k3_small). bf16 rounds the
         # coefficient by <= 0.4%, the same for every gradient.
         torch._foreach_mul_(group, coef.to(device=group[0].device, dtype=group[0].dtype))
-    value = float(norm)
+    read = [t.to(norm.device, torch.float64).reshape(-1) for t in (norm, *read_with)]
+    value, *others = torch.cat(read).tolist()
     if not math.isfinite(value):
-        return ClipResult(value, False, nonfinite_report(named_params))
-    return ClipResult(value, True, "")
+        return ClipResult(value, False, nonfinite_report(named_params), tuple(others))
+    return ClipResult(value, True, "", tuple(others))

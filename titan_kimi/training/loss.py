@@ -25,6 +25,6 @@ class LinearCrossEntropyLoss:
 
     def __call__(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                  normalizer: torch.Tensor | float) -> torch.Tensor:
-        if not torch.is_tensor(normalizer):
-            normalizer = torch.tensor(float(normalizer), dtype=torch.float32, device=hidden.device)
+        if not torch.is_tensor(normalizer):  # a fill, not a host-to-device copy (which waits for the stream)
+            normalizer = torch.full((), float(normalizer), dtype=torch.float32, device=hidden.device)
         return head(hidden, labels, normalizer=normalizer, chunk_size=self.chunk_size)

@@ -34,8 +34,10 @@ class RouterLoad:
                     self.owned.append((self.row[layer], module))
                     module.tokens_per_expert.zero_()  # a buffer, not a weight: initialisation leaves it unset
 
-    def read_and_reset(self) -> Load | None:
-        """The load since the last call (ratios are immune to activation recomputation counting twice)."""
+    def reduce_and_reset(self) -> torch.Tensor | None:
+        """The load since the last call, left on the device: ``[max, min, any expert used]`` (``load_of`` reads
+        it), so the step reads it in its one device-to-host copy (ratios are immune to activation recomputation
+        counting twice). None for a model without MoE layers."""
         if not self.layers:
             return None
         device = self.owned[0][1].tokens_per_expert.device if self.owned else torch.device("cpu")
@@ -46,8 +48,18 @@ class RouterLoad:
         counts = all_reduce_sum(counts)
         share = counts.mean(dim=1, keepdim=True).clamp(min=1e-12)
         ratio = counts / share
-        used = counts.sum(dim=1) > 0
-        if not bool(used.any()):
-            return None
-        stats = torch.stack([ratio.amax(dim=1)[used].max(), ratio.amin(dim=1)[used].min()]).tolist()
-        return Load(max=stats[0], min=stats[1])
+        used = counts.sum(dim=1) > 0  # layers that routed tokens; a mask, not an index (no device sync)
+        inf = torch.full((), float("inf"), device=device)
+        return torch.stack([torch.where(used, ratio.amax(dim=1), -inf).max(),
+                            torch.where(used, ratio.amin(dim=1), inf).min(), used.any().float()])
+
+    def read_and_reset(self) -> Load | None:
+        """``reduce_and_reset`` read at once."""
+        reduced = self.reduce_and_reset()
+        return None if reduced is None else load_of(reduced.tolist())
+
+
+def load_of(values: list[float]) -> Load | None:
+    """The host values of ``RouterLoad.reduce_and_reset``; None when no layer routed a token."""
+    most, least, used = values
+    return Load(max=most, min=least) if used else None

@@ -16,9 +16,9 @@ import threading
 from types import FrameType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from titan_kimi.parallel.distributed import host_all_reduce
 from titan_kimi.training.exit_codes import RunStopped
 
 logger = logging.getLogger("titan_kimi")
@@ -29,8 +29,7 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 class StopRequest:
     """Installed for the span of the training loop (``install()`` ... ``restore()``, or ``with``)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -61,11 +60,8 @@ class StopRequest:
 
     def agreed(self) -> int | None:
         """The signal any rank received (the largest number if several), or None; a collective."""
-        signum = self.signum or 0
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            value = torch.tensor([signum], dtype=torch.int64, device=self.device)
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-            signum = int(value.item())
+        # On the host (a gloo group): asked after every step, it must not wait for the device's queue.
+        signum = int(host_all_reduce([float(self.signum or 0)], op=dist.ReduceOp.MAX)[0])
         return signum or None
 
 
