@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import pretend_selected
+
 import lowerings.ops.attention as attention
 from lowerings.kernels import varlen_attention
 from lowerings.kernels.varlen_attention import padded_head_dim, varlen_document_causal, varlen_takes
@@ -72,8 +74,7 @@ def test_adapter_layout_matches_the_masked_reference(monkeypatch, dv):
 
 
 def test_calls_it_cannot_take_run_as_sdpa(monkeypatch):
-    backends = op_backends("causal_attention")
-    monkeypatch.setattr(backends, "selected", "varlen")
+    pretend_selected(monkeypatch, "causal_attention", "varlen")
     seq = packed()
     q = torch.randn(2, 96, 2, 64)
     got = causal_attention(q, q, q, scale=0.1, seg_start=seq.seg_start, cu_seqlens=seq.cu_seqlens)  # CPU, fp32
@@ -85,8 +86,7 @@ def test_placed_queries_go_to_flex_where_flex_runs(monkeypatch):
     CUDA (stood in for here by flex's CPU reference), which gives the masked reference's values."""
     from lowerings.kernels import flex_attention
 
-    backends = op_backends("causal_attention")
-    monkeypatch.setattr(backends, "selected", "varlen")
+    pretend_selected(monkeypatch, "causal_attention", "varlen")
     monkeypatch.setattr(attention, "varlen_fallback", lambda q: "flex")
     calls = []
     real = flex_attention.flex_causal_attention
