@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import pretend_selected
-
 from lowerings.kernels import cudnn_indexer_topk as cik
 from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
+from conftest import pretend_selected
 from test_triton_kernels import assert_topk_valid
 
 pytestmark = pytest.mark.gpu

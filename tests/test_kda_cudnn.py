@@ -8,13 +8,12 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from conftest import pretend_selected
-
 from lowerings import ops
 from lowerings.kernels import cudnn_kda
 from lowerings.ops.kda import BACKENDS
 from lowerings.ops.kda_reference import kda_gate, kda_reference
 from lowerings.ops.registry import configure_backends, plan_as_cuda, resolved_backends, selected_backend
+from conftest import pretend_selected
 
 K = 128
 SCALE = K**-0.5

@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import pretend_selected
-
 from lowerings.kernels import cudnn_sparse_mla_bwd as csb
+from conftest import pretend_selected
 from test_triton_kernels import _k3_sparse_problem, ref_sparse_mla_grads, rel_err
 
 pytestmark = pytest.mark.gpu

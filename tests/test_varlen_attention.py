@@ -7,13 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import pretend_selected
-
 import lowerings.ops.attention as attention
 from lowerings.kernels import varlen_attention
 from lowerings.kernels.varlen_attention import padded_head_dim, varlen_document_causal, varlen_takes
 from lowerings.ops import causal_attention, configure_backends, document_causal_mask, op_backends
 from titan_kimi.models.kimi_k3.sequence import build_sequence_info
+from conftest import pretend_selected
 
 
 def per_segment_causal(q, k, v, cu_seqlens, max_len, scale):
