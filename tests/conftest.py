@@ -56,18 +56,25 @@ def shipped_reference(tmp_path_factory):
     return get
 
 
+def pretend_selected(monkeypatch, op: str, name: str) -> None:
+    """``op`` runs ``name`` for the rest of the test, past the availability check (as on a machine that has it);
+    monkeypatch puts the resolved choice back."""
+    from lowerings.ops import registry
+
+    monkeypatch.setattr(registry, "_RESOLVED", registry.resolved_backends().replaced({op: name}))
+
+
 @contextlib.contextmanager
 def backend_selected(op: str, name: str):
     """``kernels.<op> = name`` (checked as the config would be) inside the block, then the selection it had."""
-    from lowerings.ops import configure_backends, op_backends
+    from lowerings.ops.registry import configure_backends, install_backends, resolved_backends
 
-    backends = op_backends(op)
-    saved = backends.selected
+    saved = resolved_backends()
     configure_backends({op: name})
     try:
         yield
     finally:
-        backends.selected = saved
+        install_backends(saved)
 
 
 @pytest.fixture

@@ -1,5 +1,7 @@
 """The fake-tensor activation estimate counts what the CUDA kernels keep, not what the CPU math kernels would."""
 
+from lowerings.catalog import BACKEND_OPS
+from lowerings.ops.registry import planned_backends
 from titan_kimi.models.kimi_k3 import model_args_for
 from titan_kimi.parallel.activation_estimate import estimate_activations
 
@@ -9,6 +11,7 @@ def test_dense_attention_is_estimated_as_a_fused_kernel_linear_in_tokens():
     math kernel keeps the [S, S] probabilities. Doubling the tokens of k3_debug (dense MLA layers) must about
     double the estimate (2.09x here; the S^2 probabilities made it 3.2x)."""
     args = model_args_for("k3_debug")
-    small, large = (estimate_activations(args, rows=1, seq_len=s, cp=1, cp_layout="zigzag")["activations"]
-                    for s in (2048, 4096))
+    kernels = planned_backends({op: "auto" for op in BACKEND_OPS})  # the shipped [kernels] section
+    small, large = (estimate_activations(args, kernels=kernels, rows=1, seq_len=s, cp=1,
+                                         cp_layout="zigzag")["activations"] for s in (2048, 4096))
     assert 1.9 < large / small < 2.3, (small, large)

@@ -179,7 +179,7 @@ def test_auto_takes_flex_on_cuda_only(monkeypatch):
     import lowerings.ops.registry as registry
 
     backends = op_backends("causal_attention")
-    saved = backends.selected
+    saved = registry.resolved_backends()
     monkeypatch.setitem(backends.checks, "varlen", lambda: "no flash varlen kernel")
     try:
         monkeypatch.setitem(backends.auto_checks, "flex", lambda: "no CUDA device")
@@ -188,4 +188,4 @@ def test_auto_takes_flex_on_cuda_only(monkeypatch):
         monkeypatch.setitem(backends.auto_checks, "flex", registry.always_available)
         assert configure_backends({"causal_attention": "auto"}) == {"causal_attention": "flex"}
     finally:
-        backends.selected = saved
+        registry.install_backends(saved)

@@ -10,7 +10,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from lowerings.kernels import flex_attention
-from lowerings.ops import configure_backends, op_backends
+from lowerings.ops import configure_backends
+from lowerings.ops.registry import install_backends, resolved_backends
 from titan_kimi.data import IGNORE_INDEX
 from titan_kimi.data.causal_keys import longest_document
 from titan_kimi.models.kimi_k3 import model_args_for
@@ -26,10 +27,9 @@ SEQ = 40
 
 @pytest.fixture
 def restore_backend():
-    backends = op_backends("causal_attention")
-    saved = backends.selected
+    saved = resolved_backends()
     yield
-    backends.selected = saved
+    install_backends(saved)
 
 
 def packed_batch(lengths: list[list[int]], seed: int = 1):

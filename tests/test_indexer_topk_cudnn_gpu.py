@@ -8,6 +8,7 @@ import torch
 
 from lowerings.kernels import cudnn_indexer_topk as cik
 from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
+from conftest import pretend_selected
 from test_triton_kernels import assert_topk_valid
 
 pytestmark = pytest.mark.gpu
@@ -161,9 +162,9 @@ def test_cudnn_replays_in_a_cuda_graph_on_another_layout():
 
 
 def test_the_op_routes_to_cudnn_and_falls_back_for_fp32(monkeypatch):
-    from lowerings.ops.indexer_topk import BACKENDS, indexer_topk
+    from lowerings.ops.indexer_topk import indexer_topk
 
-    monkeypatch.setattr(BACKENDS, "selected", "cudnn")
+    pretend_selected(monkeypatch, "indexer_topk", "cudnn")
     T = 2048
     q, k, w = make(T, T, seed=13)
     seg = seg_starts([T])

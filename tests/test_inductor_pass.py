@@ -16,7 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from lowerings.inductor.modes import compile_options, lowering_scope
 from lowerings.inductor.passes import COUNTER, TitanKimiJointPass
 from lowerings.ops.attn_res_mix import attn_res_mix_reference, attn_res_mix_triton_op
-from lowerings.ops.registry import op_backends
+from lowerings.ops.registry import install_backends, resolved_backends
 from lowerings.ops.situ_glu import situ_glu_reference, situ_glu_triton_op
 from titan_kimi.models.kimi_k3.mlp import SituMLP
 
@@ -175,13 +175,12 @@ def test_pass_uuid_is_stable_and_keys_the_replacement():
     key = a.uuid()
     assert key == b.uuid()
     assert key != TitanKimiJointPass(triton_ops=False).uuid()
-    backends = op_backends("situ_glu")
-    saved = backends.selected
+    saved = resolved_backends()
     try:
-        backends.selected = "triton"  # the replacement op differs, so the cache key must too
+        install_backends(saved.replaced({"situ_glu": "triton"}))  # the replacement op differs, so must the key
         assert a.uuid() != key
     finally:
-        backends.selected = saved
+        install_backends(saved)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -212,12 +211,10 @@ def test_triton_op_variants_match_the_references_eagerly():
 
 @pytest.fixture
 def triton_backends():
-    saved = {op: op_backends(op).selected for op in ("situ_glu", "attn_res_mix")}
-    for op in saved:
-        op_backends(op).selected = "triton"
+    saved = resolved_backends()
+    install_backends(saved.replaced({"situ_glu": "triton", "attn_res_mix": "triton"}))
     yield
-    for op, name in saved.items():
-        op_backends(op).selected = name
+    install_backends(saved)
 
 
 def user_kernel_launches(graph: Counter) -> int:

@@ -12,7 +12,8 @@ from lowerings import ops
 from lowerings.kernels import cudnn_kda
 from lowerings.ops.kda import BACKENDS
 from lowerings.ops.kda_reference import kda_gate, kda_reference
-from lowerings.ops.registry import configure_backends, plan_as_cuda, selected_backend
+from lowerings.ops.registry import configure_backends, plan_as_cuda, resolved_backends, selected_backend
+from conftest import pretend_selected
 
 K = 128
 SCALE = K**-0.5
@@ -89,7 +90,7 @@ def test_check_supported_names_what_the_engine_cannot_run():
 def test_fake_under_plan_as_cuda_keeps_no_residuals_and_checks_at_trace_time():
     x = inputs(1, 16, 2, seed=1)
     args = list(_call_args(x).values())
-    with FakeTensorMode() as mode, plan_as_cuda({"kda": "cudnn"}):
+    with FakeTensorMode() as mode, plan_as_cuda(resolved_backends().replaced({"kda": "cudnn"})):
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         o, final, residuals = torch.ops.titan_kimi.kda.default(*fake)
         assert o.shape == x["v"].shape and final.shape == (0,) and residuals == []
@@ -214,7 +215,7 @@ def test_adapter_matches_the_reference_around_stand_in_kernels(monkeypatch, layo
 def test_cpu_tensors_never_reach_cudnn_when_it_is_selected(monkeypatch):
     """The cudnn branch is for CUDA tensors only (like fla): with cudnn selected, a CPU call runs the reference."""
     monkeypatch.setattr(cudnn_kda, "_cudnn_kernels", lambda: pytest.fail("a CPU call reached the cuDNN kernels"))
-    monkeypatch.setattr(BACKENDS, "selected", "cudnn")  # selected past the availability check, as on a GPU
+    pretend_selected(monkeypatch, "kda", "cudnn")  # past the availability check, as on a GPU
     x = inputs(1, 20, 2, seed=7)
     kw = dict(scale=SCALE, A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0)
     o, _ = ops.kda(x["q"], x["k"], x["v"], x["u"], x["beta"], **kw)
@@ -230,7 +231,7 @@ def test_the_op_routes_cuda_calls_to_the_adapter_eager_and_compiled(monkeypatch)
     stand_in = StandInKernels()
     monkeypatch.setattr(cudnn_kda, "_cudnn_kernels", lambda: (stand_in.forward, stand_in.backward))
     monkeypatch.setattr(kda_module, "on_cuda", lambda t: True)
-    monkeypatch.setattr(BACKENDS, "selected", "cudnn")
+    pretend_selected(monkeypatch, "kda", "cudnn")
     x = inputs(1, 64, 2, seed=8)
     names = ["q", "k", "v", "u", "beta", "A_log", "dt_bias"]
     cu = torch.tensor([0, 10, 64, 64], dtype=torch.int32)
@@ -248,7 +249,7 @@ def test_the_op_routes_cuda_calls_to_the_adapter_eager_and_compiled(monkeypatch)
     o, grads = run(fwd)
     assert len(stand_in.calls) == 2  # forward and backward reached the kernels
     o_c, grads_c = run(torch.compile(fwd, backend="aot_eager", fullgraph=True))
-    monkeypatch.setattr(BACKENDS, "selected", "reference")
+    pretend_selected(monkeypatch, "kda", "reference")
     o_ref, grads_ref = run(fwd)
     assert rel_err(o, o_ref) < 1e-2 and torch.equal(o_c, o)
     for name, a, b, c in zip(names, grads, grads_ref, grads_c):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lowerings import ops
+from lowerings.catalog import BACKEND_OPS
 from lowerings.ops.registry import configure_backends, selected_backend
 
 
@@ -79,3 +80,55 @@ def test_the_text_model_does_not_use_the_indexer_ops():
     assert unused_ops(model_args_for("k3_small")) == {"indexer_topk", "sparse_mla", "indexer_distillation"}
     assert unused_ops(model_args_for("k31_small")) == {"indexer_distillation"}
     assert unused_ops(model_args_for("k31_small", index_training="sparse")) == set()
+
+
+def test_the_resolved_choice_is_replaced_whole_never_edited():
+    from lowerings.ops.registry import install_backends, resolved_backends
+
+    saved = resolved_backends()
+    try:
+        configure_backends({"situ_glu": "reference"})
+        first = resolved_backends()
+        with pytest.raises(TypeError):
+            first.choices["situ_glu"] = "triton"  # a read-only mapping
+        configure_backends({"attn_res_mix": "reference"})
+        assert resolved_backends() is not first and first.choices["situ_glu"] == "reference"
+        assert set(first.choices) == set(BACKEND_OPS)  # every catalog op, unnamed ones on their reference
+        with pytest.raises(ValueError, match=r"situ_glu = 'cutlass' is not a backend .*valid: \['reference', 'triton'\]"):
+            first.replaced({"situ_glu": "cutlass"})
+    finally:
+        install_backends(saved)
+
+
+def test_a_compiled_graph_guards_on_the_resolved_choice():
+    """Ops read the choice in traced code (attn_res_mix, situ_glu under compile): no graph break, and a new choice
+    compiles again instead of reusing the graph traced under the old one."""
+    import torch._dynamo.testing
+
+    from lowerings.ops.registry import install_backends, resolved_backends
+
+    def step(x):
+        return x + 1 if selected_backend("situ_glu") == "triton" else x - 1
+
+    saved = resolved_backends()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    try:
+        install_backends(saved.replaced({"situ_glu": "reference"}))
+        assert compiled(torch.zeros(2)).tolist() == [-1.0, -1.0]
+        install_backends(saved.replaced({"situ_glu": "triton"}))
+        assert compiled(torch.zeros(2)).tolist() == [1.0, 1.0]
+        assert counter.frame_count == 2
+    finally:
+        install_backends(saved)
+        torch._dynamo.reset()
+
+
+def test_planning_resolves_auto_as_a_machine_with_every_backend_would():
+    from lowerings.ops.registry import planned_backends
+
+    planned = planned_backends({op: "auto" for op in BACKEND_OPS} | {"situ_glu": "reference"})
+    assert planned.choices["kda"] == "fla" and planned.choices["sparse_mla"] == "cudnn"
+    assert planned.choices["causal_attention"] == "varlen" and planned.choices["situ_glu"] == "reference"
+    with pytest.raises(ValueError, match=r"kernels.kda = 'flash' is not a backend of kda; valid: \['auto'"):
+        planned_backends({"kda": "flash"})

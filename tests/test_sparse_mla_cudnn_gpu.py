@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lowerings.kernels import cudnn_sparse_mla_bwd as csb
+from conftest import pretend_selected
 from test_triton_kernels import _k3_sparse_problem, ref_sparse_mla_grads, rel_err
 
 pytestmark = pytest.mark.gpu
@@ -71,9 +72,9 @@ def test_cudnn_backward_replays_in_a_cuda_graph():
 
 
 def test_the_op_routes_to_cudnn_and_falls_back_for_fp32(monkeypatch):
-    from lowerings.ops.sparse_mla import BACKENDS, sparse_mla
+    from lowerings.ops.sparse_mla import sparse_mla
 
-    monkeypatch.setattr(BACKENDS, "selected", "cudnn")
+    pretend_selected(monkeypatch, "sparse_mla", "cudnn")
     T, H, k = 512, 16, 256
     q, kv, idx, dout = _k3_sparse_problem(T, H, k, seed=9)
     calls = []

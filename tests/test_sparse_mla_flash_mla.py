@@ -20,7 +20,8 @@ import torch
 
 from lowerings.kernels import flash_mla_sparse as fm
 from lowerings.ops import configure_backends, op_backends
-from lowerings.ops.sparse_mla import forward_kernel, sparse_mla, sparse_mla_reference
+from lowerings.ops.registry import install_backends, resolved_backends, selected_backend
+from lowerings.ops.sparse_mla import backward_kernel, forward_kernel, sparse_mla, sparse_mla_reference
 
 D, DV = 576, 512
 
@@ -258,19 +259,30 @@ def test_forward_kernel_routing():
     assert forward_kernel("flash_mla", q, kv, idx, DV) == "reference"  # CPU tensors
     assert forward_kernel("triton", q, kv, idx, DV, cuda=True) == "triton"
     assert forward_kernel("dense", q, kv, idx, DV) == "dense"
+    assert forward_kernel("cudnn", q, kv, idx, DV, cuda=True) == "triton"  # cuDNN has no sm90 sparse forward
+
+
+def test_backward_kernel_routing():
+    q, kv, idx = _inputs(H=96, k=64, dtype=torch.bfloat16)
+    assert backward_kernel("flash_mla", q, kv, idx, DV, cuda=True) == "triton"  # FlashMLA has no sparse backward
+    assert backward_kernel("cudnn", q, kv, idx, DV) == "reference"  # CPU tensors
+    assert backward_kernel("cudnn", q, kv, idx, DV, cuda=True) == "triton"  # cuDNN's own check: CPU tensors
+    assert backward_kernel("triton", q, kv, idx, DV, cuda=True) == "triton"
+    assert backward_kernel("dense", q, kv, idx, DV, cuda=True) == "dense"
+    assert backward_kernel("reference", q, kv, idx, DV, cuda=True) == "reference"
 
 
 @pytest.fixture
 def sparse_mla_backend():
-    backends = op_backends("sparse_mla")
-    saved = backends.selected
-    yield backends
-    backends.selected = saved
+    """The sparse_mla backends; the resolved choice is restored after the test."""
+    saved = resolved_backends()
+    yield op_backends("sparse_mla")
+    install_backends(saved)
 
 
 def test_op_with_flash_mla_selected_on_cpu_runs_the_reference(sparse_mla_backend):
     """CPU tensors take the reference forward and backward under kernels.sparse_mla = flash_mla, as under triton."""
-    sparse_mla_backend.selected = "flash_mla"  # as configure_backends would on a machine with flash_mla
+    install_backends(resolved_backends().replaced({"sparse_mla": "flash_mla"}))  # as on a machine with flash_mla
     q, kv, idx = _inputs(T=10, H=4, k=12, S=10, seed=2)
     q.requires_grad_()
     kv.requires_grad_()
@@ -294,20 +306,20 @@ def _pretend_sm90(monkeypatch, capability=(9, 0)):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given without CUDA")
 def test_selecting_flash_mla_without_cuda_fails_with_the_reason(sparse_mla_backend):
-    before = sparse_mla_backend.selected
+    before = selected_backend("sparse_mla")
     with pytest.raises(ValueError, match=r"kernels.sparse_mla = 'flash_mla' is not available .*no CUDA device"):
         configure_backends({"sparse_mla": "flash_mla"})
-    assert sparse_mla_backend.selected == before
+    assert selected_backend("sparse_mla") == before
 
 
 def test_selecting_flash_mla_without_the_module_fails_with_the_reason(monkeypatch, sparse_mla_backend):
     _pretend_sm90(monkeypatch)
     monkeypatch.setitem(sys.modules, "flash_mla", None)  # import flash_mla raises ModuleNotFoundError
-    before = sparse_mla_backend.selected
+    before = selected_backend("sparse_mla")
     with pytest.raises(ValueError, match=r"python module 'flash_mla' is not installed \(build it with "
                                          r"scripts/tools/build_flash_mla.sh"):
         configure_backends({"sparse_mla": "flash_mla"})
-    assert sparse_mla_backend.selected == before
+    assert selected_backend("sparse_mla") == before
 
 
 def test_flash_mla_unavailable_reasons(monkeypatch):
@@ -332,6 +344,6 @@ def test_selecting_flash_mla_with_the_module(monkeypatch, sparse_mla_backend, st
     _pretend_sm90(monkeypatch)
     standin()
     assert configure_backends({"sparse_mla": "flash_mla"}) == {"sparse_mla": "flash_mla"}
-    assert sparse_mla_backend.selected == "flash_mla"
+    assert selected_backend("sparse_mla") == "flash_mla"
     # auto: cuDNN's backward first (the faster pair on the H200), then FlashMLA's forward, then ours
     assert sparse_mla_backend.auto_order == ["cudnn", "flash_mla", "triton"]

@@ -12,6 +12,7 @@ from lowerings.kernels import varlen_attention
 from lowerings.kernels.varlen_attention import padded_head_dim, varlen_document_causal, varlen_takes
 from lowerings.ops import causal_attention, configure_backends, document_causal_mask, op_backends
 from titan_kimi.models.kimi_k3.sequence import build_sequence_info
+from conftest import pretend_selected
 
 
 def per_segment_causal(q, k, v, cu_seqlens, max_len, scale):
@@ -72,8 +73,7 @@ def test_adapter_layout_matches_the_masked_reference(monkeypatch, dv):
 
 
 def test_calls_it_cannot_take_run_as_sdpa(monkeypatch):
-    backends = op_backends("causal_attention")
-    monkeypatch.setattr(backends, "selected", "varlen")
+    pretend_selected(monkeypatch, "causal_attention", "varlen")
     seq = packed()
     q = torch.randn(2, 96, 2, 64)
     got = causal_attention(q, q, q, scale=0.1, seg_start=seq.seg_start, cu_seqlens=seq.cu_seqlens)  # CPU, fp32
@@ -85,8 +85,7 @@ def test_placed_queries_go_to_flex_where_flex_runs(monkeypatch):
     CUDA (stood in for here by flex's CPU reference), which gives the masked reference's values."""
     from lowerings.kernels import flex_attention
 
-    backends = op_backends("causal_attention")
-    monkeypatch.setattr(backends, "selected", "varlen")
+    pretend_selected(monkeypatch, "causal_attention", "varlen")
     monkeypatch.setattr(attention, "varlen_fallback", lambda q: "flex")
     calls = []
     real = flex_attention.flex_causal_attention

@@ -40,13 +40,20 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _situ_glu_fwd_kernel(X, Y, stride_x, stride_y, F, beta, beta_lin, BLOCK_F: tl.constexpr):
-    beta, beta_lin = as_fp32(beta), as_fp32(beta_lin)
+def _load_gate_up(X, stride_x, F, BLOCK_F: tl.constexpr):
+    """This program's row and feature block of ``[gate | up]``: (row, offsets, mask, gate, up) in fp32."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = offs < F
     g = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(X + row * stride_x + F + offs, mask=mask, other=0.0).to(tl.float32)
+    return row, offs, mask, g, u
+
+
+@triton.jit
+def _situ_glu_fwd_kernel(X, Y, stride_x, stride_y, F, beta, beta_lin, BLOCK_F: tl.constexpr):
+    beta, beta_lin = as_fp32(beta), as_fp32(beta_lin)
+    row, offs, mask, g, u = _load_gate_up(X, stride_x, F, BLOCK_F)
     sig = _sigmoid(g)
     y = (beta * _tanh(g / beta) * sig) * (beta_lin * _tanh(u / beta_lin))
     tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=mask)
@@ -55,11 +62,7 @@ def _situ_glu_fwd_kernel(X, Y, stride_x, stride_y, F, beta, beta_lin, BLOCK_F: t
 @triton.jit
 def _situ_glu_bwd_kernel(X, DY, DX, stride_x, stride_dy, stride_dx, F, beta, beta_lin, BLOCK_F: tl.constexpr):
     beta, beta_lin = as_fp32(beta), as_fp32(beta_lin)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = offs < F
-    g = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(X + row * stride_x + F + offs, mask=mask, other=0.0).to(tl.float32)
+    row, offs, mask, g, u = _load_gate_up(X, stride_x, F, BLOCK_F)
     dy = tl.load(DY + row * stride_dy + offs, mask=mask, other=0.0).to(tl.float32)
     sig = _sigmoid(g)
     tg = _tanh(g / beta)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .launch import autotune_enabled, config_key, dedup_configs, interpreting, launch, make_autotuner, next_pow2
-from .sparse_mla_fwd import check_sparse_mla_inputs, dot_precision, row_extent, upcast_dots
+from .sparse_mla_fwd import check_sparse_mla_inputs, dot_precision, load_key_tile, row_extent, upcast_dots
 
 __all__ = [
     "sparse_mla_backward",
@@ -117,13 +117,8 @@ def _bwd_dq_kernel(
     dqr = tl.zeros([BLOCK_DR, BLOCK_H], tl.float32)
     for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        kid = tl.load(IDX + t * stride_it + offs_n, mask=offs_n < n_end, other=-1)
-        ok = (kid >= 0) & (kid < S_KV)
-        kv_row = KV + kid.to(tl.int64) * stride_kvt
-        kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
-        kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
-        if UPCAST:
-            kn, kr = kn.to(tl.float32), kr.to(tl.float32)
+        ok, kn, kr = load_key_tile(KV, IDX + t * stride_it, n0, n_end, S_KV, stride_kvt, offs_v, v_ok, offs_r, r_ok,
+                                   D_V, BLOCK_N, UPCAST)
         s = tl.dot(kn, qn, input_precision=DOT_PREC)
         s = tl.dot(kr, qr, s, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
         # where() after exp2: masked lanes may be inf/nan (empty rows have lse = -inf) and are dropped.

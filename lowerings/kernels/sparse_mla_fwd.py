@@ -99,6 +99,22 @@ def row_extent(idx: torch.Tensor, s_kv: int) -> torch.Tensor:
 
 
 @triton.jit
+def load_key_tile(KV, idx_row, n0, n_end, S_KV, stride_kvt, offs_v, v_ok, offs_r, r_ok,
+                  D_V: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr):
+    """The selected keys ``idx_row[n0 : n0 + BLOCK_N]`` (up to ``n_end``): which are valid, and their latent
+    [BLOCK_N, BLOCK_DV] and rope [BLOCK_N, BLOCK_DR] tiles (zeros where invalid). Shared with the backward."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    kid = tl.load(idx_row + offs_n, mask=offs_n < n_end, other=-1)
+    ok = (kid >= 0) & (kid < S_KV)
+    kv_row = KV + kid.to(tl.int64) * stride_kvt
+    kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+    kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+    if UPCAST:  # interpreter only: it cannot tl.dot bf16
+        kn, kr = kn.to(tl.float32), kr.to(tl.float32)
+    return ok, kn, kr
+
+
+@triton.jit
 def _sparse_mla_fwd_kernel(
     Q, KV, IDX, EXT, OUT, LSE,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
@@ -130,14 +146,8 @@ def _sparse_mla_fwd_kernel(
             qn, qr = qn.to(tl.float32), qr.to(tl.float32)
         acc = tl.zeros([BLOCK_DV, BLOCK_H], tl.float32)
         for n0 in range(0, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            kid = tl.load(idx_row + offs_n, mask=offs_n < n_end, other=-1)
-            ok = (kid >= 0) & (kid < S_KV)
-            kv_row = KV + kid.to(tl.int64) * stride_kvt
-            kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
-            kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
-            if UPCAST:
-                kn, kr = kn.to(tl.float32), kr.to(tl.float32)
+            ok, kn, kr = load_key_tile(KV, idx_row, n0, n_end, S_KV, stride_kvt, offs_v, v_ok, offs_r, r_ok,
+                                       D_V, BLOCK_N, UPCAST)
             s = tl.dot(kn, qn, input_precision=DOT_PREC)
             s = tl.dot(kr, qr, s, input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_H]
             s = tl.where(ok[:, None], s * qk_scale_log2, float("-inf"))
@@ -162,14 +172,8 @@ def _sparse_mla_fwd_kernel(
             qn, qr = qn.to(tl.float32), qr.to(tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
         for n0 in range(0, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            kid = tl.load(idx_row + offs_n, mask=offs_n < n_end, other=-1)
-            ok = (kid >= 0) & (kid < S_KV)
-            kv_row = KV + kid.to(tl.int64) * stride_kvt
-            kn = tl.load(kv_row[:, None] + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
-            kr = tl.load(kv_row[:, None] + D_V + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
-            if UPCAST:
-                kn, kr = kn.to(tl.float32), kr.to(tl.float32)
+            ok, kn, kr = load_key_tile(KV, idx_row, n0, n_end, S_KV, stride_kvt, offs_v, v_ok, offs_r, r_ok,
+                                       D_V, BLOCK_N, UPCAST)
             s = tl.dot(qn, tl.trans(kn), input_precision=DOT_PREC)
             s = tl.dot(qr, tl.trans(kr), s, input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_N]
             s = tl.where(ok[None, :], s * qk_scale_log2, float("-inf"))

@@ -5,6 +5,10 @@ otherwise). Fused backends register an availability
 check; selecting one that is unavailable fails at config validation with the reason, never mid-step.
 ``auto`` picks the first available backend of the op's preference order and logs the choice.
 
+What each op runs is one immutable ``ResolvedBackends``, decided by ``configure_backends`` and replaced as a
+whole (never edited); ops read it through ``selected_backend``, so a compiled graph guards on the choice it was
+traced under and a new choice recompiles.
+
 The compile mode also sets, for the span of a compiled call, how ops lower under tracing: Inductor-visible
 ``triton_op`` variants instead of the opaque custom ops, or an op's plain formula for a graph pass to match
 (``compile_lowering``). Eager code is unaffected.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Callable, Iterable, Iterator, Mapping
 
 from lowerings.catalog import BACKEND_OPS
@@ -35,11 +40,7 @@ class OpBackends:
     op: str
     checks: dict[str, AvailabilityCheck] = field(default_factory=dict)
     auto_order: list[str] = field(default_factory=list)
-    selected: str = ""
     auto_checks: dict[str, AvailabilityCheck] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.selected = self.selected or BACKEND_OPS[self.op].reference
 
     def add(self, name: str, check: AvailabilityCheck = always_available, *, auto_rank: int | None = None,
             auto_check: AvailabilityCheck | None = None) -> None:
@@ -79,7 +80,28 @@ class OpBackends:
         return name
 
 
+@dataclass(frozen=True)
+class ResolvedBackends:
+    """The backend every op of lowerings/catalog.py runs (ops left out run their reference backend)."""
+
+    choices: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for op, name in self.choices.items():
+            if op not in BACKEND_OPS or name not in BACKEND_OPS[op].backends:
+                valid = list(BACKEND_OPS[op].backends) if op in BACKEND_OPS else list(BACKEND_OPS)
+                raise ValueError(f"ResolvedBackends: {op} = {name!r} is not a backend in lowerings/catalog.py; "
+                                 f"valid: {valid}")
+        full = {op: self.choices.get(op, entry.reference) for op, entry in BACKEND_OPS.items()}
+        object.__setattr__(self, "choices", MappingProxyType(full))
+
+    def replaced(self, updates: Mapping[str, str]) -> "ResolvedBackends":
+        """A new choice with ``updates`` (``{op: backend}``) over this one's."""
+        return ResolvedBackends({**self.choices, **updates})
+
+
 _REGISTRY: dict[str, OpBackends] = {}
+_RESOLVED = ResolvedBackends()  # every op on its reference backend until configure_backends runs
 
 
 def op_backends(op: str) -> OpBackends:
@@ -93,7 +115,22 @@ def op_backends(op: str) -> OpBackends:
 
 
 def selected_backend(op: str) -> str:
-    return op_backends(op).selected
+    """The backend ``op`` runs: a read of the current ``ResolvedBackends`` (Dynamo guards on it)."""
+    return _RESOLVED.choices[op]
+
+
+def resolved_backends() -> ResolvedBackends:
+    return _RESOLVED
+
+
+def install_backends(resolved: ResolvedBackends) -> None:
+    """Make ``resolved`` the choice every op reads, unchecked: one ``configure_backends`` or
+    ``resolved_backends`` returned earlier (to restore it), or one built by hand where a test stands in for a
+    machine that has the backend."""
+    global _RESOLVED
+    if not isinstance(resolved, ResolvedBackends):
+        raise ValueError(f"install_backends takes a ResolvedBackends, got {type(resolved).__name__}")
+    _RESOLVED = resolved
 
 
 def known_ops() -> list[str]:
@@ -103,10 +140,10 @@ def known_ops() -> list[str]:
 def configure_backends(choices: Mapping[str, str], unused: Iterable[str] = ()) -> dict[str, str]:
     """Validate and apply ``{op: backend}`` (the ``[kernels]`` section); returns the resolved choices.
 
-    All choices are checked before any is applied, so a bad config changes nothing. ``unused``: ops the model
-    never calls; left at ``auto`` they take their reference backend without checking the others (an availability
-    check can import a large library, e.g. cuDNN's CuTe-DSL runtime: seconds of start-up for nothing), while a
-    named backend is still checked.
+    All choices are checked before any is applied, so a bad config changes nothing; the ops left out keep the
+    backend they had. ``unused``: ops the model never calls; left at ``auto`` they take their reference backend
+    without checking the others (an availability check can import a large library, e.g. cuDNN's CuTe-DSL
+    runtime: seconds of start-up for nothing), while a named backend is still checked.
     """
     unused = set(unused)
     resolved = {}
@@ -117,8 +154,8 @@ def configure_backends(choices: Mapping[str, str], unused: Iterable[str] = ()) -
             resolved[op] = BACKEND_OPS[op].reference
             continue
         resolved[op] = _REGISTRY[op].resolve(name)
+    install_backends(_RESOLVED.replaced(resolved))
     for op, name in resolved.items():
-        _REGISTRY[op].selected = name
         if choices[op] == "auto" and op in unused:
             logger.info("kernels.%s = auto: not used by this model", op)
         elif choices[op] == "auto":
@@ -132,23 +169,34 @@ def configure_backends(choices: Mapping[str, str], unused: Iterable[str] = ()) -
 _PLAN_AS_CUDA: bool = False
 
 
-@contextmanager
-def plan_as_cuda(choices: Mapping[str, str]) -> Iterator[None]:
-    """For fake-tensor planning (memory estimates) on a machine without a GPU: while active, ops take the CUDA
-    paths of the backends in ``choices`` (``{op: backend}``, not checked for availability) for CPU tensors, so
-    that their fake implementations report what those kernels return and keep for backward. Their bodies must
-    never run: use it under ``FakeTensorMode`` only."""
-    global _PLAN_AS_CUDA
-    saved = _PLAN_AS_CUDA, {op: _REGISTRY[op].selected for op in choices}
-    _PLAN_AS_CUDA = True
+def planned_backends(choices: Mapping[str, str]) -> ResolvedBackends:
+    """What ``choices`` (``{op: backend or auto}``, the ``[kernels]`` section) resolve to on a CUDA machine that
+    has every backend, without checking any: a named backend stays, ``auto`` takes the first of the op's
+    preference order. For planning (memory estimates) where the job's GPUs are not."""
+    planned = {}
     for op, name in choices.items():
-        _REGISTRY[op].selected = name
+        backends = op_backends(op)
+        if name != "auto" and name not in backends.checks:
+            raise ValueError(f"kernels.{op} = {name!r} is not a backend of {op}; valid: {backends.choices()}")
+        planned[op] = name if name != "auto" else (backends.auto_order or [BACKEND_OPS[op].reference])[0]
+    return ResolvedBackends(planned)
+
+
+@contextmanager
+def plan_as_cuda(resolved: ResolvedBackends) -> Iterator[None]:
+    """For fake-tensor planning (memory estimates) on a machine without a GPU: while active, ops take the CUDA
+    paths of the backends in ``resolved`` (e.g. ``planned_backends``; not checked for availability) for CPU
+    tensors, so that their fake implementations report what those kernels return and keep for backward. Their
+    bodies must never run: use it under ``FakeTensorMode`` only."""
+    global _PLAN_AS_CUDA
+    saved = _PLAN_AS_CUDA, _RESOLVED
+    _PLAN_AS_CUDA = True
+    install_backends(resolved)
     try:
         yield
     finally:
         _PLAN_AS_CUDA = saved[0]
-        for op, name in saved[1].items():
-            _REGISTRY[op].selected = name
+        install_backends(saved[1])
 
 
 def on_cuda(t) -> bool:

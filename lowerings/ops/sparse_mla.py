@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping
+
 import torch
 
 from lowerings.ops.registry import cuda_available, op_backends, selected_backend
@@ -33,6 +37,56 @@ def _flash_mla_available() -> str | None:  # sm90 and an importable flash_mla (s
 # calls it cannot take (dtype, head dims) run our forward. auto's choice after cudnn: its forward measured 8.0 ms
 # against our Gluon kernel's 8.9 at 96 heads (3.8 / 4.5 at 16), the backward being the same
 BACKENDS.add("flash_mla", _flash_mla_available, auto_rank=1)
+
+
+@dataclass(frozen=True)
+class SparseMlaKernels:
+    """The kernels one ``kernels.sparse_mla`` backend runs on CUDA tensors, per direction."""
+
+    forward: str  # flash_mla, triton, dense or reference
+    backward: str  # cudnn, triton, dense or reference
+
+
+# The rule table the op consults; configure_backends picks the row (the op's resolved backend).
+SPARSE_MLA_KERNELS: Mapping[str, SparseMlaKernels] = MappingProxyType({
+    "cudnn": SparseMlaKernels(forward="triton", backward="cudnn"),
+    "flash_mla": SparseMlaKernels(forward="flash_mla", backward="triton"),
+    "triton": SparseMlaKernels(forward="triton", backward="triton"),
+    "dense": SparseMlaKernels(forward="dense", backward="dense"),
+    "reference": SparseMlaKernels(forward="reference", backward="reference"),
+})
+CUDA_KERNELS = frozenset({"cudnn", "flash_mla", "triton"})  # CPU tensors run the reference instead
+ShapeRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], "str | None"]  # why a call is refused
+
+
+def _flash_mla_refuses(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int) -> str | None:
+    from lowerings.kernels.flash_mla_sparse import flash_mla_takes
+
+    return flash_mla_takes(q, kv, idx, d_v)
+
+
+def _cudnn_refuses(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int) -> str | None:
+    from lowerings.kernels.cudnn_sparse_mla_bwd import cudnn_takes
+
+    return cudnn_takes(q, kv, idx, d_v)
+
+
+# The fused kernels that take only some call shapes: kernel -> (its rule, the kernel that runs what it refuses).
+# FlashMLA: bf16, Dqk 576, d_v 512, within int32 offsets; cuDNN's backward: bf16 / fp16, (Dqk, d_v) in
+# {(576, 512), (512, 512)}, two or more heads, a top-k column.
+SHAPE_RULES: Mapping[str, tuple[ShapeRule, str]] = MappingProxyType({
+    "flash_mla": (_flash_mla_refuses, "triton"),
+    "cudnn": (_cudnn_refuses, "triton"),
+})
+
+
+def _kernel_for(kernel: str, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int, cuda: bool) -> str:
+    if kernel in CUDA_KERNELS and not cuda:
+        return "reference"
+    rule = SHAPE_RULES.get(kernel)
+    if rule is not None and rule[0](q, kv, idx, d_v) is not None:
+        return rule[1]
+    return kernel
 
 
 def _softmax_attend(scores: torch.Tensor, values: torch.Tensor, equation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,18 +126,17 @@ def sparse_mla_dense(
 
 def forward_kernel(backend: str, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int,
                    *, cuda: bool | None = None) -> str:
-    """The forward ``_forward`` runs for this call under ``backend``: "flash_mla", "triton", "dense" or
-    "reference". ``cuda`` (default ``q.is_cuda``) lets tests ask for the GPU decision with CPU tensors."""
+    """The forward ``_forward`` runs for this call under ``backend`` (its row of ``SPARSE_MLA_KERNELS``, then
+    ``SHAPE_RULES``). ``cuda`` (default ``q.is_cuda``) lets tests ask for the GPU decision with CPU tensors."""
     cuda = q.is_cuda if cuda is None else cuda
-    if backend == "flash_mla" and cuda:
-        from lowerings.kernels.flash_mla_sparse import flash_mla_takes
+    return _kernel_for(SPARSE_MLA_KERNELS[backend].forward, q, kv, idx, d_v, cuda)
 
-        return "flash_mla" if flash_mla_takes(q, kv, idx, d_v) is None else "triton"
-    if backend in ("triton", "cudnn") and cuda:
-        return "triton"
-    if backend == "dense":
-        return "dense"
-    return "reference"
+
+def backward_kernel(backend: str, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int,
+                    *, cuda: bool | None = None) -> str:
+    """The backward ``sparse_mla_backward_op`` runs for this call under ``backend``, as ``forward_kernel``."""
+    cuda = q.is_cuda if cuda is None else cuda
+    return _kernel_for(SPARSE_MLA_KERNELS[backend].backward, q, kv, idx, d_v, cuda)
 
 
 def _forward(q, kv, idx, scale, d_v):
@@ -126,18 +179,16 @@ def sparse_mla_backward_op(
     d_v: int,
 ) -> list[torch.Tensor]:
     """Gradients for (q, kv). Fused backends reuse ``out`` and ``lse``; the reference recomputes."""
-    backend = selected_backend("sparse_mla")
-    if backend == "cudnn" and q.is_cuda:
-        from lowerings.kernels.cudnn_sparse_mla_bwd import cudnn_sparse_mla_backward, cudnn_takes
+    kernel = backward_kernel(selected_backend("sparse_mla"), q, kv, idx, d_v)
+    if kernel == "cudnn":
+        from lowerings.kernels.cudnn_sparse_mla_bwd import cudnn_sparse_mla_backward
 
-        if cudnn_takes(q, kv, idx, d_v) is None:
-            return list(cudnn_sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))
-        backend = "triton"  # calls cuDNN's kernel cannot take (dtype, head dims): the Triton backward
-    if backend in ("triton", "flash_mla") and q.is_cuda:  # FlashMLA has no sparse backward: ours reads its out/lse
+        return list(cudnn_sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))
+    if kernel == "triton":  # also flash_mla's backward (FlashMLA has none): ours reads its out and lse
         from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
 
         return list(sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))
-    forward = sparse_mla_dense if backend == "dense" else sparse_mla_reference
+    forward = sparse_mla_dense if kernel == "dense" else sparse_mla_reference
     with torch.enable_grad():
         _, vjp = torch.func.vjp(lambda q_, kv_: forward(q_, kv_, idx, scale, d_v)[0], q, kv)
     return [g.contiguous() for g in vjp(d_out)]

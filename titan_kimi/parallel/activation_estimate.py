@@ -2,7 +2,8 @@
 
 One forward and backward of the rank's model part at its real shapes, ``rows x seq_len / cp`` tokens (with the
 whole sequences' keys under context parallelism), bf16 compute with the fp32-by-design parameters in fp32, the
-configured activation checkpointing, the CUDA kernels' saved tensors (KDA through FLA: ``plan_as_cuda``) and the
+configured activation checkpointing, the saved tensors of the CUDA kernels the job's ``[kernels]`` choices
+resolve to on its GPUs (``planned_backends``, taken for the fake tensors by ``plan_as_cuda``) and the
 context-parallel exchanges over a fake process group of ``cp`` ranks. torch's ``MemTracker`` records the live
 activations and temporaries at the peak.
 
@@ -19,16 +20,13 @@ import torch
 import torch.distributed as dist
 
 from lowerings.ops.indexer_topk import SCORE_BYTES_CAP
-from lowerings.ops.registry import plan_as_cuda
+from lowerings.ops.registry import ResolvedBackends, plan_as_cuda
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.models.kimi_k3.sequence import build_sequence_info
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_kimi.parallel.context_parallel import ContextParallel
-
-GPU_KERNELS = {"kda": "fla", "indexer_topk": "triton", "sparse_mla": "triton"}
-
 
 @contextlib.contextmanager
 def _fake_group(size: int):
@@ -47,10 +45,11 @@ def _fake_group(size: int):
         dist.destroy_process_group()
 
 
-def estimate_activations(args: KimiK3ModelArgs, *, rows: int, seq_len: int, cp: int, cp_layout: str,
-                         layer_range: tuple[int, int] | None = None, ac_mode: str = "none",
+def estimate_activations(args: KimiK3ModelArgs, *, kernels: ResolvedBackends, rows: int, seq_len: int, cp: int,
+                         cp_layout: str, layer_range: tuple[int, int] | None = None, ac_mode: str = "none",
                          ac_option: str = "op") -> dict[str, float]:
-    """GiB at the peak of one fwd + bwd of the part ``layer_range`` on one rank of ``cp``: ``activations``
+    """GiB at the peak of one fwd + bwd of the part ``layer_range`` on one rank of ``cp`` running the backends
+    ``kernels`` (``planned_backends`` of the job's ``[kernels]`` section): ``activations``
     (saved tensors and temporaries, measured) and ``indexer_scores`` (the indexer's score chunk, an upper bound
     from its cap, 0 without an indexer)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -62,7 +61,7 @@ def estimate_activations(args: KimiK3ModelArgs, *, rows: int, seq_len: int, cp: 
         # the segment metadata is data dependent (nonzero): real tensors, built before the fake mode
         seq = (ContextParallel(group, cp_layout).build_sequence(rows, local, torch.device("cpu"), doc) if group
                else build_sequence_info(rows, seq_len, torch.device("cpu"), doc))
-        with FakeTensorMode(allow_non_fake_inputs=True), plan_as_cuda(GPU_KERNELS):
+        with FakeTensorMode(allow_non_fake_inputs=True), plan_as_cuda(kernels):
             model = cast_model_dtype(KimiK3Model(args, layer_range=layer_range), torch.bfloat16)
             model.requires_grad_(True)  # MemTracker hooks every parameter; the frozen indexer gets no gradient
             apply_activation_checkpointing(model, ac_mode, ac_option)

@@ -34,13 +34,16 @@ def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range
 
 
 def _activations(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, ranges) -> tuple[float, float]:
+    from lowerings.catalog import BACKEND_OPS
+    from lowerings.ops.registry import planned_backends
     from titan_kimi.parallel.activation_estimate import estimate_activations
 
+    kernels = planned_backends({op: getattr(cfg.kernels, op) for op in BACKEND_OPS})
     rows = layout.microbatch_size if layout.pipeline is not None else cfg.training.local_batch_size
     ac = cfg.activation_checkpoint
     acts = scores = 0.0
     for layer_range in ranges:
-        est = estimate_activations(args, rows=rows, seq_len=cfg.training.seq_len, cp=layout.cp,
+        est = estimate_activations(args, kernels=kernels, rows=rows, seq_len=cfg.training.seq_len, cp=layout.cp,
                                    cp_layout=layout.cp_layout, layer_range=layer_range, ac_mode=ac.mode,
                                    ac_option=ac.selective_ac_option)
         acts, scores = acts + est["activations"], max(scores, est["indexer_scores"])
