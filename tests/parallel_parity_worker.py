@@ -209,8 +209,7 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     argv = overrides if name in VL_LAYOUTS else [*COMMON, *overrides]
     cfg = load_job_config(argv)
     args = model_args_from_config(cfg)
-    layout = resolve_layout(cfg.parallelism, env.world_size, args, local_batch_size=cfg.training.local_batch_size,
-                            seq_len=cfg.training.seq_len)
+    layout = resolve_layout(cfg, env.world_size, args)
     trainer = Trainer(cfg, args, layout, env)
     device = trainer.device
     ref_loss, ref_grads, ref_model = reference(cfg, args, trainer.global_batch, trainer.tokenizer, device)

@@ -49,8 +49,7 @@ def build(folder: Path, argv: list[str], *extra: str, env: DistEnv | None = None
     env = env or DistEnv(0, 1, 0)
     cfg = load_job_config([*argv, "--job.dump_folder", str(folder), *extra])
     args = model_args_from_config(cfg)
-    layout = resolve_layout(cfg.parallelism, env.world_size, args, local_batch_size=cfg.training.local_batch_size,
-                            seq_len=cfg.training.seq_len)
+    layout = resolve_layout(cfg, env.world_size, args)
     return Trainer(cfg, args, layout, env)
 
 

@@ -45,11 +45,12 @@ def padded_batch(lengths: list[list[int]], seq_len: int):
     return tokens, doc, labels
 
 
-def loss_and_grads(model, tokens, doc, labels, max_causal_keys):
+def loss_and_grads(model, tokens, doc, labels, max_causal_keys, context_parallel=None):
     calls = []
     hooks = [m.register_forward_hook(lambda *_: calls.append(1)) for m in model.modules() if isinstance(m, Indexer)]
     model.zero_grad(set_to_none=True)
-    hidden = model(tokens, doc_ids=doc, return_hidden=True, max_causal_keys=max_causal_keys)
+    hidden = model(tokens, doc_ids=doc, return_hidden=True, max_causal_keys=max_causal_keys,
+                   context_parallel=context_parallel)
     loss = LinearCrossEntropyLoss(64)(model.output, hidden, labels, float((labels != IGNORE_INDEX).sum()))
     loss.backward()
     for h in hooks:
@@ -137,16 +138,16 @@ def one_rank_group(tmp_path):
 def test_shortcut_under_context_parallelism_decides_from_the_whole_rows(one_rank_group):
     """One rank's zigzag pieces: the whole row (48 tokens) is longer than index_topk, so only the batch's
     documents (all within it) allow the shortcut, which then gives the sparse CP path's outputs and gradients."""
-    from titan_kimi.parallel.context_parallel import ContextParallel, apply_context_parallel
+    from titan_kimi.parallel.context_parallel import ContextParallel
 
     model = tiny_model()
-    apply_context_parallel(model, ContextParallel(one_rank_group, "zigzag"))
+    cp = ContextParallel(one_rank_group, "zigzag")
     tokens, doc, labels = padded_batch([[16, 10, 16, 6], [9, 16, 16, 7]], seq_len=48)
     keys = longest_document(doc)
     runs = {}
     for shortcut, max_keys in ((True, keys), (False, keys), (True, None)):
         model.dsa_dense_shortcut = shortcut
-        runs[shortcut, max_keys] = loss_and_grads(model, tokens, doc, labels, max_keys)
+        runs[shortcut, max_keys] = loss_and_grads(model, tokens, doc, labels, max_keys, cp)
     assert runs[True, keys][2] == 0 and runs[False, keys][2] > 0
     assert runs[True, None][2] > 0  # without the batch's fact: the whole row's 48 keys, more than TOPK
     dense, sparse = runs[True, keys], runs[False, keys]

@@ -1,20 +1,22 @@
 """Layouts are checked before any work starts: the stage planner, schedules, microbatches, expert counts."""
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 
+from titan_kimi.config.sections import JobConfig
 from titan_kimi.models.kimi_k3 import model_args_for
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.parallel.pipeline_plan import plan_pipeline
 
 
-def par(**changes):
-    base = dict(data_parallel_replicate_degree=1, data_parallel_shard_degree=-1, context_parallel_degree=1,
-                pipeline_parallel_degree=1, expert_parallel_degree=1, pipeline_parallel_schedule="1F1B",
-                pipeline_parallel_stages_per_rank=0, pipeline_parallel_split=[], pipeline_parallel_microbatch_size=1,
-                context_parallel_layout="zigzag")
-    return SimpleNamespace(**{**base, **changes})
+def job(local_batch_size: int = 1, seq_len: int = 4096, **parallelism) -> JobConfig:
+    """The default config with these parallelism keys, a local batch and a sequence length (global batch -1)."""
+    cfg = JobConfig()
+    cfg.parallelism = dataclasses.replace(cfg.parallelism, **parallelism)
+    cfg.training = dataclasses.replace(cfg.training, local_batch_size=local_batch_size, global_batch_size=-1,
+                                       seq_len=seq_len)
+    return cfg
 
 
 K3 = model_args_for("k3")
@@ -58,26 +60,34 @@ def test_impossible_pipelines_are_rejected(kwargs, message):
 
 @pytest.mark.parametrize("world, changes, local_batch, message", [
     (256, dict(pipeline_parallel_degree=8, expert_parallel_degree=3), 8,
-     r"expert_parallel_degree = 3 must divide the number of routed experts \(896\)"),
+     r"parallelism.expert_parallel_degree = 3: does not divide the number of routed experts \(896\); valid: a "
+     r"divisor of 896"),
     (64, dict(pipeline_parallel_degree=8, expert_parallel_degree=16), 8,
-     r"expert_parallel_degree = 16 must divide data_parallel_shard x context_parallel = 8 x 1 = 8"),
+     r"parallelism.expert_parallel_degree = 16: does not divide data_parallel_shard_degree \(8\) \* "
+     r"context_parallel_degree \(1\) = 8, the ranks experts are spread over; valid: a divisor of 8"),
     (16, dict(pipeline_parallel_degree=2), 1,
-     r"1 microbatches, but 1F1B over 2 stages needs at least 2; valid: local_batch_size >= 2"),
+     r"training.local_batch_size = 1: / pipeline_parallel_microbatch_size 1 = 1 microbatches, but 1F1B over 2 "
+     r"stages needs at least 2; valid: local_batch_size >= 2"),
     (16, dict(pipeline_parallel_degree=2, pipeline_parallel_microbatch_size=3), 4,
-     r"pipeline_parallel_microbatch_size = 3 must divide training.local_batch_size = 4"),
+     r"parallelism.pipeline_parallel_microbatch_size = 3: does not divide training.local_batch_size = 4; valid: "
+     r"a divisor of 4"),
     (16, dict(pipeline_parallel_degree=2, pipeline_parallel_schedule="DualPipeV"), 2,
      r"DualPipeV over 4 stages needs at least 4"),
-    (16, dict(pipeline_parallel_split=[12]), 2, r"pipeline_parallel_split = \[12\] needs pipeline_parallel_degree > 1"),
-    (16, dict(data_parallel_replicate_degree=16), 2, r"replication alone \(DDP\) is not built"),
-    (16, dict(data_parallel_shard_degree=4), 2, r"= 4, not the world size 16"),
+    (16, dict(pipeline_parallel_split=[12]), 2, r"pipeline_parallel_split = \[12\]: needs pipeline_parallel_degree > 1 "
+                                                 r"\(parallelism.pipeline_parallel_degree = 1\); valid: \[\]"),
+    (16, dict(data_parallel_replicate_degree=16), 2, r"parallelism.data_parallel_replicate_degree = 16: with "
+                                                     r"data_parallel_shard x context_parallel = 1: replication alone "
+                                                     r"\(DDP\) is not built; valid: shard instead"),
+    (16, dict(data_parallel_shard_degree=4), 2, r"parallelism.data_parallel_shard_degree = 4: times the other degrees "
+                                                r"\(1\) is 4, not the world size 16 \(job.world_size\); valid: -1 or 16"),
 ])
 def test_impossible_layouts_are_rejected(world, changes, local_batch, message):
     with pytest.raises(ValueError, match=message):
-        resolve_layout(par(**changes), world, K3, local_batch_size=local_batch)
+        resolve_layout(job(local_batch, **changes), world, K3)
 
 
 def test_seeds_full_scale_layout_resolves():
-    layout = resolve_layout(par(pipeline_parallel_degree=8, expert_parallel_degree=32), 256, K3, local_batch_size=8)
+    layout = resolve_layout(job(8, pipeline_parallel_degree=8, expert_parallel_degree=32), 256, K3)
     assert (layout.dp_shard, layout.fsdp, layout.efsdp, layout.pipeline.num_stages) == (32, 32, 1, 8)
     assert "ep 32 x efsdp 1" in layout.describe() and "1F1B, 8 stages" in layout.describe()
 
@@ -109,9 +119,10 @@ def test_lr_schedule_state_resumes_into_another_grouping_of_parameters():
 def test_context_parallel_pieces_hold_the_short_convolution_window():
     """KDA's short convolution reads 3 earlier tokens, which come from the previous piece only."""
     args = model_args_for("k3_debug")
-    with pytest.raises(ValueError, match=r"seq_len = 16 over context_parallel_degree 4 \(zigzag\) gives pieces of 2 "
-                                         r"tokens, shorter than the 3 .* valid: seq_len >= 24"):
-        resolve_layout(par(context_parallel_degree=4), 4, args, seq_len=16)
-    layout = resolve_layout(par(context_parallel_degree=4, context_parallel_layout="contiguous"), 4, args, seq_len=16)
+    with pytest.raises(ValueError, match=r"training.seq_len = 16: over parallelism.context_parallel_degree = 4 "
+                                         r"\(zigzag\) gives pieces of 2 tokens, shorter than the 3 .* valid: "
+                                         r"seq_len >= 24"):
+        resolve_layout(job(seq_len=16, context_parallel_degree=4), 4, args)
+    layout = resolve_layout(job(seq_len=16, context_parallel_degree=4, context_parallel_layout="contiguous"), 4, args)
     assert "cp 4 (contiguous)" in layout.describe() and layout.fsdp == 4
-    assert "cp 2 (zigzag)" in resolve_layout(par(context_parallel_degree=2), 4, args, seq_len=64).describe()
+    assert "cp 2 (zigzag)" in resolve_layout(job(seq_len=64, context_parallel_degree=2), 4, args).describe()

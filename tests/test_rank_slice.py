@@ -98,7 +98,7 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
                                                                                      TINY_SLICE.index("--rows")],
                            "--step_time.table", str(out / "step_time_h200.json"), "--step_time.rows", "medpix:4:28x28"])
     args = model_args_from_config(cfg)
-    layout = resolve_layout(cfg.parallelism, 4, args, local_batch_size=2, seq_len=64)
+    layout = resolve_layout(cfg, 4, args)
     from titan_kimi.training.build import tokenizer_from_config, vision_args_from_config
 
     vision = vision_args_from_config(cfg, tokenizer_from_config(cfg, args))

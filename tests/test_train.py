@@ -107,7 +107,7 @@ def make_trainer(tmp_path, *extra):
     cfg = load_job_config([*TINY, "--training.steps", "2", "--training.local_batch_size", "2",
                            "--job.dump_folder", str(tmp_path), *extra])
     args = model_args_from_config(cfg)
-    return train.Trainer(cfg, args, resolve_layout(cfg.parallelism, 1, args), DistEnv(0, 1, 0))
+    return train.Trainer(cfg, args, resolve_layout(cfg, 1, args), DistEnv(0, 1, 0))
 
 
 def poison(trainer, name):
@@ -183,9 +183,14 @@ def test_torch_adam_is_never_silently_replaced():
 
 
 def test_image_text_training_rejects_context_parallelism():
-    from types import SimpleNamespace
+    """The layout's check: at config time from model.vision_flavor, and once the model is known (a vision tower
+    from model.hf_config_path's vision_config) from the trainer's resolve_layout."""
+    from titan_kimi.config import ConfigError
 
-    cfg = load_job_config(["--model.vision_flavor", "moonvit3d_debug"], environ={})
-    trainer = SimpleNamespace(layout=SimpleNamespace(pp=1, cp=2), vision=object(), cfg=cfg)
-    with pytest.raises(ValueError, match="context_parallel_degree = 2 with an image-text model"):
-        train.Trainer._reject_unbuilt_combinations(trainer)
+    with pytest.raises(ConfigError, match=r"parallelism.context_parallel_degree = 2 \(from the command line\): with "
+                                          r"an image-text model: .* not built; valid: 1"):
+        load_job_config(["--model.vision_flavor", "moonvit3d_debug", "--parallelism.context_parallel_degree", "2"],
+                        environ={})
+    cfg = load_job_config(["--parallelism.context_parallel_degree", "2"], environ={})
+    with pytest.raises(ValueError, match=r"parallelism.context_parallel_degree = 2: with an image-text model"):
+        resolve_layout(cfg, 2, model_args_from_config(cfg), image_text=True)

@@ -19,7 +19,7 @@ def trainer(folder, *extra):
         *extra,
     ])
     args = model_args_from_config(cfg)
-    return train.Trainer(cfg, args, resolve_layout(cfg.parallelism, 1, args), DistEnv(0, 1, 0))
+    return train.Trainer(cfg, args, resolve_layout(cfg, 1, args), DistEnv(0, 1, 0))
 
 
 class Crash(Exception):

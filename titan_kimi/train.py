@@ -122,24 +122,18 @@ class Trainer:
         self.distributed = env.launched and env.world_size > 1
         # Every mesh comes from torchtitan's ParallelDims; the batch mesh says which data this rank reads.
         self.meshes: Meshes | None = build_meshes(layout, self.device.type) if self.distributed else None
-        # The ranks of a CP group read the same batch; each keeps its share of every sequence (shard_batch).
+        # The ranks of a CP group read the same batch; each keeps its share of every sequence (shard_batch), and
+        # every forward gets this object as context_parallel= (its layers reach the rest of the rows through it).
         self.context_parallel = (ContextParallel(self.meshes.cp_group, layout.cp_layout) if layout.cp > 1
                                  else None)
         self.dp = layout.dp
         self.dp_rank = self.meshes.dp_rank if self.meshes is not None else 0
-        self.global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * self.dp
-        if self.global_batch % (t.local_batch_size * self.dp):
-            raise ValueError(
-                f"training.global_batch_size = {self.global_batch} must be a multiple of local_batch_size x "
-                f"data-parallel degree = {t.local_batch_size} x {self.dp}"
-            )
-        self.accum_steps = self.global_batch // (t.local_batch_size * self.dp)
+        self.global_batch, self.accum_steps = layout.global_batch_size, layout.accumulation_steps
 
         self.tokenizer = tokenizer_from_config(cfg, args)
         self.loss_fn = LinearCrossEntropyLoss(t.loss_chunk_size)
         whole = build_model_from_config(cfg, args, self.tokenizer)
         self.vision = whole.vision_args if isinstance(whole, KimiK3VLModel) else None
-        self._reject_unbuilt_combinations()
         self.counts = count_params(whole)
         # FLOPs per text token from the text model; the tower's are per image patch (vision_flops, per step).
         self.flops_per_token = training_flops_per_token(
@@ -179,14 +173,6 @@ class Trainer:
                     self.global_batch, self.dp, t.local_batch_size, self.accum_steps)
 
     # ------------------------------------------------------------------ setup
-    def _reject_unbuilt_combinations(self) -> None:
-        cp = self.layout.cp
-        if cp > 1 and self.vision is not None:
-            raise ValueError(
-                f"parallelism.context_parallel_degree = {cp} with an image-text model: sharding sequences whose "
-                "placeholders the model expands into image positions is not built (the seed's recipe is CP1); "
-                "train with context_parallel_degree = 1")
-
     def _build_model_parts(self):
         """This rank's model parts (the whole model, or its pipeline stages): built on the meta device,
         parallelised, then materialised and initialised with the seeded init (training/seeded_init.py), which
@@ -201,7 +187,7 @@ class Trainer:
         if self.distributed:
             from titan_kimi.parallel.parallelize import mixed_precision_dtype, parallelize
 
-            sharded = [parallelize(part, cfg, self.meshes, self.device, self.context_parallel) for part in parts]
+            sharded = [parallelize(part, cfg, self.meshes, self.device) for part in parts]
             if not all(sharded):  # no data-parallel mesh (pipeline parallelism alone): autocast instead
                 self.autocast_dtype = mixed_precision_dtype(cfg)
         else:
@@ -228,7 +214,7 @@ class Trainer:
         modules = []
         for index, part in zip(indices, parts):
             module = PipelineStageModule(part, self.loss_fn, boundary_dtype=boundary,
-                                         autocast_dtype=self.autocast_dtype)
+                                         autocast_dtype=self.autocast_dtype, context_parallel=self.context_parallel)
             if self.meshes.dense is not None:  # the stage wrapper is the FSDP root (pipelining's no-sync logic)
                 fully_shard(module, mesh=self.meshes.dense, reshard_after_forward=False,
                             ignored_params=set(replicated_parameters(module)))
@@ -320,7 +306,8 @@ class Trainer:
         images = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
         with ctx:
             hidden = self.model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True,
-                                max_causal_keys=max_causal_keys, **images, **(indexer or {}))
+                                max_causal_keys=max_causal_keys, context_parallel=self.context_parallel, **images,
+                                **(indexer or {}))
             return self.loss_fn(self.model.output, hidden, batch["labels"], normalizer)
 
     def _local(self, batch: dict) -> dict:
@@ -531,8 +518,8 @@ def _run(argv: list[str], prewarm: FlaPrewarm, modules: ModulePrewarm, startup: 
     world_size = cfg.job.world_size or env.world_size
     if not cfg.job.world_size and "WORLD_SIZE" not in os.environ:
         validate_job_config(cfg, launcher_world_size=world_size)  # a plain process: check against 1 rank
-    layout = resolve_layout(cfg.parallelism, world_size, args, local_batch_size=cfg.training.local_batch_size,
-                            seq_len=cfg.training.seq_len)
+    image_text = vision_args_from_config(cfg, tokenizer_from_config(cfg, args)) is not None
+    layout = resolve_layout(cfg, world_size, args, image_text=image_text)
     if cfg.job.print_config and env.is_main and not cfg.job.dry_run:
         print(to_toml(cfg))
     if cfg.job.dry_run:
@@ -544,7 +531,6 @@ def _run(argv: list[str], prewarm: FlaPrewarm, modules: ModulePrewarm, startup: 
     resolved = configure_kernels(cfg.kernels, args)
     logger.info("kernels: %s", describe_kernels(resolved))
     if cfg.compile.prewarm_modules:
-        image_text = vision_args_from_config(cfg, tokenizer_from_config(cfg, args)) is not None
         if (reason := prewarm_unsupported(cfg, layout, image_text=image_text)) is not None:
             raise ValueError(f"compile.prewarm_modules = true {reason}")
         modules.start(args, cfg, argv)

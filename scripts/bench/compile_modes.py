@@ -99,7 +99,7 @@ def build_trainer(opts: argparse.Namespace, mode: str, dump: Path):
     if opts.n_layers:  # a shorter stack of the same flavor (layer pattern recomputed for n_layers)
         args = dataclasses.replace(args, n_layers=opts.n_layers, kda_layers=(), full_attn_layers=())
     configure_kernels(cfg.kernels, args)
-    return Trainer(cfg, args, resolve_layout(cfg.parallelism, 1, args), DistEnv(0, 1, 0))
+    return Trainer(cfg, args, resolve_layout(cfg, 1, args), DistEnv(0, 1, 0))
 
 
 def release(device: torch.device) -> None:

@@ -40,7 +40,7 @@ def main() -> int:
                                        "--training.seq_len", str(T), "--training.local_batch_size", "1",
                                        "--activation_checkpoint.mode", ac, "--job.estimate_activations"])
                 args = model_args_from_config(cfg)
-                layout = resolve_layout(cfg.parallelism, cp, args, local_batch_size=1, seq_len=T)
+                layout = resolve_layout(cfg, cp, args)
                 states_line, act_line = describe_ranks(cfg, args, layout, activations=True)
                 states = float(re.search(r"= ([\d.]+) GiB", states_line).group(1))
                 number = r"([\d.e+-]+)"

@@ -55,7 +55,7 @@ def build_trainer(config: str, steps: int, dump: Path, overrides: list[str]):
     cfg = load_job_config(argv, environ={})
     args = model_args_from_config(cfg)
     configure_kernels(cfg.kernels, args)
-    return cfg, Trainer(cfg, args, resolve_layout(cfg.parallelism, 1, args), DistEnv(0, 1, 0))
+    return cfg, Trainer(cfg, args, resolve_layout(cfg, 1, args), DistEnv(0, 1, 0))
 
 
 def loss_and_grads(trainer, batch: dict, normalizer: torch.Tensor, keys: int) -> tuple[float, list[torch.Tensor]]:

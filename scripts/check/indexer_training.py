@@ -80,8 +80,7 @@ def trainer(argv: list[str]) -> Trainer:
 
         prepare_fla_configs()
     import_backend_libraries(resolved)
-    layout = resolve_layout(cfg.parallelism, 1, args, local_batch_size=cfg.training.local_batch_size,
-                            seq_len=cfg.training.seq_len)
+    layout = resolve_layout(cfg, 1, args)
     return Trainer(cfg, args, layout, DistEnv(0, 1, 0))
 
 

@@ -46,10 +46,11 @@ def where(source: str) -> str:
     return f"from {source}"
 
 
-def bad_value(key: str, value: Any, source: str, problem: str, valid: str | None = None,
+def bad_value(key: str, value: Any, source: str | None, problem: str, valid: str | None = None,
               hint: str | None = None) -> ConfigError:
-    """Builds the standard message: `key = value (from FILE): problem; valid: ...`."""
-    message = f"{key} = {show(value)} ({where(source)}): {problem}"
+    """Builds the standard message: `key = value (from FILE): problem; valid: ...` (without the source when it
+    is None: a config checked after loading, whose sources are no longer known)."""
+    message = f"{mention(key, value, source)}: {problem}"
     if valid:
         message += f"; valid: {valid}"
     if hint:
@@ -57,6 +58,6 @@ def bad_value(key: str, value: Any, source: str, problem: str, valid: str | None
     return ConfigError(message, key=key, source=source, value=value)
 
 
-def mention(key: str, value: Any, source: str) -> str:
+def mention(key: str, value: Any, source: str | None) -> str:
     """`key = value (from FILE)`, for naming the other side of a conflict between two keys."""
-    return f"{key} = {show(value)} ({where(source)})"
+    return f"{key} = {show(value)}" + (f" ({where(source)})" if source is not None else "")

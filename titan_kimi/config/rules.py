@@ -142,24 +142,14 @@ def module_compile_without_checkpointing(cfg: JobConfig, source_of: SourceOf) ->
                       "\"block\" (each checkpointed block compiled whole), or activation_checkpoint.mode = \"none\"")
 
 
-def batch_shapes_divide(cfg: JobConfig, source_of: SourceOf) -> None:
-    t, p = cfg.training, cfg.parallelism
-    local = _other(cfg, "training.local_batch_size", source_of)
+def global_batch_is_whole_local_batches(cfg: JobConfig, source_of: SourceOf) -> None:
+    """The per-rank shapes (microbatches, CP chunks, experts) are the layout's checks:
+    ``titan_kimi.parallel.layout.check_layout``."""
+    t = cfg.training
     if t.global_batch_size != -1 and t.global_batch_size % t.local_batch_size:
-        raise _reject(cfg, "training.global_batch_size", source_of, f"not a multiple of {local}",
+        raise _reject(cfg, "training.global_batch_size", source_of,
+                      f"not a multiple of {_other(cfg, 'training.local_batch_size', source_of)}",
                       f"-1 or a multiple of {t.local_batch_size} (times the data-parallel degree)")
-    if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
-        raise _reject(cfg, "parallelism.pipeline_parallel_microbatch_size", source_of,
-                      f"does not divide {local}", f"a divisor of {t.local_batch_size}")
-    chunks = p.context_parallel_degree * (2 if p.context_parallel_layout == "zigzag" else 1)
-    if p.context_parallel_degree > 1 and t.seq_len % chunks:
-        raise _reject(cfg, "training.seq_len", source_of,
-                      f"cannot be cut into {chunks} equal chunks for "
-                      + _other(cfg, "parallelism.context_parallel_degree", source_of) + " with "
-                      + _other(cfg, "parallelism.context_parallel_layout", source_of),
-                      f"a multiple of {chunks}")
-    if p.data_parallel_shard_degree != -1:
-        _experts_fit(cfg, p.data_parallel_shard_degree, source_of)
 
 
 def context_parallel_kda_has_a_backend(cfg: JobConfig, source_of: SourceOf) -> None:
@@ -319,7 +309,7 @@ RULES: tuple[Rule, ...] = (
     selective_ac_option_is_known,
     compile_has_components,
     module_compile_without_checkpointing,
-    batch_shapes_divide,
+    global_batch_is_whole_local_batches,
     context_parallel_kda_has_a_backend,
     mixed_precision_only_lowers,
     hf_save_is_model_only,
@@ -332,41 +322,3 @@ RULES: tuple[Rule, ...] = (
     optimizer_implementation_fits,
 )
 
-
-def check_world_size(cfg: JobConfig, world_size: int, source_of: SourceOf, world_source: str) -> None:
-    """Checks the parallel degrees against the number of ranks (job.world_size, or the launcher's)."""
-    p = cfg.parallelism
-    keys = ("parallelism.data_parallel_replicate_degree", "parallelism.context_parallel_degree",
-            "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree")
-    fixed = 1
-    for key in keys:
-        fixed *= _get(cfg, key)
-    world = f"world size {world_size} ({world_source})"
-    if world_size % fixed:
-        degrees = ", ".join(_other(cfg, key, source_of) for key in keys)
-        raise ConfigError(f"parallelism: {degrees} multiply to {fixed}, which does not divide {world}; "
-                          f"valid: degrees whose product divides {world_size}",
-                          key="parallelism", source=source_of(keys[-1]), value=fixed)
-    shard = p.data_parallel_shard_degree
-    if shard != -1 and shard * fixed != world_size:
-        raise _reject(cfg, "parallelism.data_parallel_shard_degree", source_of,
-                      f"times the other degrees ({fixed}) is {shard * fixed}, not the {world}",
-                      f"-1 or {world_size // fixed}")
-    if shard == -1:
-        shard = world_size // fixed
-        _experts_fit(cfg, shard, source_of)
-    t = cfg.training
-    dp = p.data_parallel_replicate_degree * shard
-    if t.global_batch_size != -1 and t.global_batch_size % (t.local_batch_size * dp):
-        raise _reject(cfg, "training.global_batch_size", source_of,
-                      f"not a multiple of local_batch_size {t.local_batch_size} * data-parallel degree {dp} "
-                      f"(for the {world})", f"-1 or a multiple of {t.local_batch_size * dp}")
-
-
-def _experts_fit(cfg: JobConfig, shard: int, source_of: SourceOf) -> None:
-    # torchtitan 0.2.2 carves the EP mesh out of the FSDP ranks (data_parallel_shard * context_parallel).
-    cp, ep = cfg.parallelism.context_parallel_degree, cfg.parallelism.expert_parallel_degree
-    if (shard * cp) % ep:
-        raise _reject(cfg, "parallelism.expert_parallel_degree", source_of,
-                      f"does not divide data_parallel_shard_degree ({shard}) * context_parallel_degree ({cp}) "
-                      f"= {shard * cp}, the ranks experts are spread over", f"a divisor of {shard * cp}")

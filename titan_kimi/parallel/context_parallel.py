@@ -1,8 +1,10 @@
 """Context parallelism: the ranks of a CP group split every row of their (shared) batch along the sequence.
 
-Applied from outside, like the other parallelisms: ``apply_context_parallel`` replaces a model part's
-``build_sequence`` hook, so each forward describes this rank's share of the tokens (global positions and
-segment starts) and carries a ``ContextExchange``, through which the layers reach the rest of the sequence:
+The trainer builds one ``ContextParallel`` from ``parallelism.context_parallel_degree`` (the layout's ``cp``)
+and the CP mesh, and passes it to every forward as ``context_parallel=`` (the model's ``SequenceSharding``;
+pipeline stages get it from ``PipelineStageModule``). The model's ``build_sequence`` hands it the batch, so each
+forward describes this rank's share of the tokens (global positions and segment starts) and carries a
+``ContextExchange``, through which the layers reach the rest of the sequence:
 
 * KDA: the short convolutions' W-1 rows before each local piece (``previous_rows``, an all-gather of every
   piece's tail) and the recurrent state of the earlier pieces (``lowerings.ops.kda_cp``: FLA's ``cp_context``
@@ -22,7 +24,6 @@ import torch.distributed as dist
 from lowerings.ops.kda_cp import kda_context_parallel
 from lowerings.ops.sequence_shards import (all_gather_autograd, chunk_slots, local_positions, parts_per_rank,
                                           rank_chunks)
-from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo, build_sequence_info
 
 WHOLE_ROW_KEYS = ("doc_ids",)  # batch entries every CP rank keeps whole: the model needs the whole rows' segments
@@ -54,7 +55,7 @@ class ContextParallel:
 
     def build_sequence(self, batch: int, seq_len: int, device: torch.device,
                        doc_ids: torch.Tensor | None) -> SequenceInfo:
-        """The model's ``build_sequence`` hook: ``seq_len`` local tokens per row, ``doc_ids [batch, whole row]``."""
+        """``SequenceSharding.build_sequence``: ``seq_len`` local tokens per row, ``doc_ids [batch, whole row]``."""
         total = seq_len * self.world
         if doc_ids is None:
             doc_ids = torch.ones(batch, total, dtype=torch.int32, device=device)
@@ -119,7 +120,3 @@ class ContextExchange:
                                     cu_seqlens=self.cu_seqlens, group=self.cp.group, layout=self.cp.layout,
                                     A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, l2norm_qk=l2norm_qk)
 
-
-def apply_context_parallel(model: KimiK3Model, cp: ContextParallel) -> None:
-    """Make ``model`` (a whole model or a pipeline stage) run on this rank's share of each row."""
-    model.build_sequence = cp.build_sequence

@@ -1,6 +1,6 @@
-"""Apply context parallelism, expert parallelism, activation checkpointing, compile and FSDP2 to one built
-(meta-device) model part, in torchtitan's order: CP and EP, then checkpoint wrappers, then per-block compile, then
-FSDP."""
+"""Apply expert parallelism, activation checkpointing, compile and FSDP2 to one built (meta-device) model part, in
+torchtitan's order: EP, then checkpoint wrappers, then per-block compile, then FSDP. Context parallelism changes no
+module: the trainer passes its ``ContextParallel`` to each forward (``titan_kimi.parallel.context_parallel``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_kimi.parallel.compile import apply_compile, apply_loss_compile
-from titan_kimi.parallel.context_parallel import ContextParallel, apply_context_parallel
 from titan_kimi.parallel.expert_parallel import apply_expert_parallel
 from titan_kimi.parallel.fsdp import apply_fsdp, reshard_after_forward
 from titan_kimi.parallel.mesh import Meshes
@@ -34,22 +33,17 @@ def _ac_and_compile(model: KimiK3Model, cfg, *, experts_outside: bool) -> None:
             apply_loss_compile(model.output, cfg.compile.mode, fullgraph=cfg.compile.fullgraph)
 
 
-def parallelize(model: KimiK3Model, cfg, meshes: Meshes, device: torch.device,
-                context_parallel: ContextParallel | None = None) -> bool:
-    """CP (the model runs on this rank's share of every sequence), EP on the routed experts (ep > 1), then AC and
-    compile, then FSDP2 (HSDP with dp_replicate > 1) over the dense mesh, which includes the CP ranks. Returns
-    whether FSDP was applied (else the caller autocasts: no data-parallel mesh to shard over, e.g. pipeline
-    parallelism alone)."""
+def parallelize(model: KimiK3Model, cfg, meshes: Meshes, device: torch.device) -> bool:
+    """EP on the routed experts (ep > 1), then AC and compile, then FSDP2 (HSDP with dp_replicate > 1) over the
+    dense mesh, which includes the CP ranks. Returns whether FSDP was applied (else the caller autocasts: no
+    data-parallel mesh to shard over, e.g. pipeline parallelism alone; the layout check makes ep divide
+    dp_shard x cp, so expert parallelism always has one)."""
     layout = meshes.layout
-    if context_parallel is not None:
-        apply_context_parallel(model, context_parallel)
     if layout.ep > 1:
         apply_expert_parallel(model, meshes.ep)
     _ac_and_compile(model, cfg, experts_outside=layout.ep > 1)
     dense = meshes.dense
     if dense is None:
-        if layout.ep > 1:
-            raise ValueError(f"expert parallelism needs FSDP over dp_shard x cp = {layout.fsdp} > 1 ranks")
         return False
     t = cfg.training
     apply_fsdp(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titan_kimi.models.kimi_k3.model import KimiK3Model
+from titan_kimi.models.kimi_k3.sequence import SequenceSharding
 from titan_kimi.parallel.pipeline_images import ImageSlots, unpad_images
 from titan_kimi.parallel.pipeline_plan import PipelinePlan
 
@@ -28,12 +29,16 @@ LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, "torch.Tensor | float"
 class PipelineStageModule(nn.Module):
     """One stage as the schedule runs it (and the stage's FSDP root, so that pipelining's no-sync logic for
     microbatches applies). ``boundary_dtype`` is the dtype of what crosses to the next stage: the static
-    shapes announce it, so outputs are cast to it (a no-op when the computation already has it)."""
+    shapes announce it, so outputs are cast to it (a no-op when the computation already has it).
+    ``context_parallel``: this rank's share of every row under context parallelism, passed to each forward of
+    the stage (``titan_kimi.parallel.context_parallel``)."""
 
     def __init__(self, part: KimiK3Model, loss_fn: LossFn, *, boundary_dtype: torch.dtype,
-                 autocast_dtype: torch.dtype | None = None) -> None:
+                 autocast_dtype: torch.dtype | None = None,
+                 context_parallel: SequenceSharding | None = None) -> None:
         super().__init__()
         self.part = part
+        self.context_parallel = context_parallel
         self.loss_fn = loss_fn
         self.boundary_dtype = boundary_dtype
         self.autocast_dtype = autocast_dtype
@@ -51,9 +56,11 @@ class PipelineStageModule(nn.Module):
             # indexer: the model's indexer arguments while it trains (a float scale and a bool, replicated to
             # every microbatch); each stage's layers attach their KL to their own outputs
             if self.part.is_last:
-                hidden = self.part(*inputs, doc_ids=doc_ids, return_hidden=True, **images, **indexer)
+                hidden = self.part(*inputs, doc_ids=doc_ids, return_hidden=True,
+                                   context_parallel=self.context_parallel, **images, **indexer)
                 return self.loss_fn(self.part.output, hidden, labels, normalizer)
-            hidden, bank = self.part(*inputs, doc_ids=doc_ids, **images, **indexer)
+            hidden, bank = self.part(*inputs, doc_ids=doc_ids, context_parallel=self.context_parallel, **images,
+                                     **indexer)
         hidden, bank = hidden.to(self.boundary_dtype), bank.to(self.boundary_dtype)
         if bank._is_view():
             # FSDP hands a passed-through bank back as a view, which zero-bubble schedules cannot detach in place.

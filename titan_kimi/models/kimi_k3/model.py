@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
@@ -12,7 +10,7 @@ from titan_kimi.models.kimi_k3.attn_res import AttnResMix
 from titan_kimi.models.kimi_k3.block import KimiK3Block
 from titan_kimi.models.kimi_k3.head import LMHead
 from titan_kimi.models.kimi_k3.norms import RMSNorm
-from titan_kimi.models.kimi_k3.sequence import SequenceInfo, build_sequence_info
+from titan_kimi.models.kimi_k3.sequence import SequenceInfo, SequenceSharding, build_sequence_info
 
 
 class KimiK3Model(nn.Module):
@@ -45,10 +43,6 @@ class KimiK3Model(nn.Module):
             self.output = LMHead(args.dim, args.vocab_size)
         else:
             self.output_mix = self.norm = self.output = None
-        # Builds the per-forward document structure from doc_ids: (batch, seq_len, device, doc_ids) ->
-        # SequenceInfo. Context parallelism replaces it from outside (titan_kimi.parallel.context_parallel) with
-        # one that takes the whole rows' doc_ids and describes this rank's share of the tokens.
-        self.build_sequence: Callable[..., SequenceInfo] = build_sequence_info
         # K3.1: DSA layers attend densely when the indexer would select every causal key (``dsa_dense``);
         # set from model.dsa_dense_shortcut.
         self.dsa_dense_shortcut = True
@@ -65,6 +59,7 @@ class KimiK3Model(nn.Module):
         max_causal_keys: int | None = None,
         indexer_loss_scale: float | torch.Tensor | None = None,
         indexer_metrics: bool = False,
+        context_parallel: SequenceSharding | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Positional stage I/O, as pipeline stages receive it: the first stage takes ``x = tokens [B,S]``; a
         later stage takes ``x = hidden [B,S,H]`` and ``bank [B*S,m,H]`` from the stage before. Instead of tokens,
@@ -75,6 +70,10 @@ class KimiK3Model(nn.Module):
         A stage that is not last returns ``(hidden, bank)``. The last stage returns logits ``[B,S,V]``, or with
         ``return_hidden`` the final normed hidden states ``[B,S,H]``, to which the training loss applies the head
         chunk by chunk (``titan_kimi.training.loss``) so that ``[B,S,V]`` logits never exist.
+
+        ``context_parallel``: under context parallelism, this rank's share of every row (``SequenceSharding``):
+        ``x`` holds this rank's tokens, ``doc_ids`` the whole rows', and the sequence it builds carries the
+        exchange through which each attention and KDA layer reaches the rest of the row. None: whole rows.
 
         ``max_causal_keys``: the most causal keys any trained query of the batch has (its longest document,
         ``titan_kimi.data.causal_keys.longest_document`` of the host batch); None = unknown, the whole row.
@@ -109,7 +108,7 @@ class KimiK3Model(nn.Module):
             hidden = x
         B, S = hidden.shape[:2]
         if seq is None:
-            seq = self.build_sequence(B, S, hidden.device, doc_ids)
+            seq = self.build_sequence(B, S, hidden.device, doc_ids, context_parallel)
             seq.dsa_dense = self.dsa_dense(seq, max_causal_keys)
         if self.args.indexer_trains:
             if indexer_loss_scale is not None:  # a tensor, so a new value each step compiles nothing
@@ -124,6 +123,14 @@ class KimiK3Model(nn.Module):
             hidden = self.output_mix(bank, hidden)
         hidden = self.norm(hidden)
         return hidden if return_hidden else self.output(hidden)
+
+    @staticmethod
+    def build_sequence(batch: int, seq_len: int, device: torch.device, doc_ids: torch.Tensor | None,
+                       context_parallel: SequenceSharding | None = None) -> SequenceInfo:
+        """A forward's document structure: the whole rows', or this rank's share under context parallelism."""
+        if context_parallel is not None:
+            return context_parallel.build_sequence(batch, seq_len, device, doc_ids)
+        return build_sequence_info(batch, seq_len, device, doc_ids)
 
     def dsa_dense(self, seq: SequenceInfo, max_causal_keys: int | None) -> bool:
         """Whether no trained query has more causal keys than ``index_topk``: then the indexer would select every

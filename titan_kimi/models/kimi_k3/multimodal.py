@@ -16,7 +16,7 @@ from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.models.kimi_k3.multimodal_merge import merge_image_features
 from titan_kimi.models.kimi_k3.projector import PatchMergerMLP
-from titan_kimi.models.kimi_k3.sequence import SequenceInfo
+from titan_kimi.models.kimi_k3.sequence import SequenceInfo, SequenceSharding
 from titan_kimi.models.kimi_k3.vision import VisionTower
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
@@ -73,6 +73,7 @@ class KimiK3VLModel(KimiK3Model):
         max_causal_keys: int | None = None,
         indexer_loss_scale: float | torch.Tensor | None = None,
         indexer_metrics: bool = False,
+        context_parallel: SequenceSharding | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """First stage: ``x = tokens [B, U]`` with one placeholder per image, ``pixel_values [L, 3, 14, 14]`` and
         ``grid_thws [N, 3]``; ``doc_ids [B, S]`` (and the labels the loss uses) describe the expanded sequence,
@@ -82,14 +83,14 @@ class KimiK3VLModel(KimiK3Model):
                 raise ValueError(f"images go to the first stage; this stage starts at layer {self.first_layer}")
             return super().forward(x, bank, doc_ids=doc_ids, seq=seq, return_hidden=return_hidden,
                                    max_causal_keys=max_causal_keys, indexer_loss_scale=indexer_loss_scale,
-                                   indexer_metrics=indexer_metrics)
+                                   indexer_metrics=indexer_metrics, context_parallel=context_parallel)
         if x is None or x.is_floating_point():
             raise ValueError("the image-text model's first stage takes token ids [B, U] (an integer tensor)")
         seq_len = doc_ids.shape[1] if doc_ids is not None else (seq.seq_len if seq is not None else None)
         embeds = self.embed(x, pixel_values, grid_thws, seq_len)
         return super().forward(None, doc_ids=doc_ids, seq=seq, return_hidden=return_hidden, inputs_embeds=embeds,
                                max_causal_keys=max_causal_keys, indexer_loss_scale=indexer_loss_scale,
-                               indexer_metrics=indexer_metrics)
+                               indexer_metrics=indexer_metrics, context_parallel=context_parallel)
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:

@@ -4,8 +4,9 @@
 runs included. Segments tile the batch, so KDA resets its state and conv window at every segment start and
 attention stays inside a segment: padding never influences real tokens.
 
-When the rows are split over ranks (context parallelism), the parallel layer builds the SequenceInfo of this
-rank's tokens (``titan_kimi.parallel.context_parallel``): positions and segment starts are then global (the
+When the rows are split over ranks (context parallelism), the model's forward takes a ``SequenceSharding``
+(``context_parallel=``), which builds the SequenceInfo of this rank's tokens
+(``titan_kimi.parallel.context_parallel``): positions and segment starts are then global (the
 whole row's), and ``exchange`` reaches the tokens other ranks hold. Layers ask it for the three things they
 need from the rest of the sequence; the model itself never communicates.
 """
@@ -41,6 +42,17 @@ class SequenceExchange(Protocol):
             l2norm_qk: bool) -> torch.Tensor:
         """The ``ops.kda`` contract over ``[B,S,...]`` local rows, with the recurrent state carried in from the
         earlier pieces of each row; returns o ``[B,S,H,V]``."""
+        ...
+
+
+class SequenceSharding(Protocol):
+    """This rank's share of every row: what the model's ``forward(context_parallel=...)`` takes under context
+    parallelism (``titan_kimi.parallel.context_parallel.ContextParallel``, built from
+    ``parallelism.context_parallel_degree``)."""
+
+    def build_sequence(self, batch: int, seq_len: int, device: torch.device,
+                       doc_ids: torch.Tensor | None) -> SequenceInfo:
+        """The SequenceInfo of ``seq_len`` local tokens per row, from the whole rows' ``doc_ids``."""
         ...
 
 

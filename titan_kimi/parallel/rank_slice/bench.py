@@ -58,21 +58,19 @@ class RankSliceBench:
         cfg = self.cfg = load_job_config(argv)
         args = self.args = model_args_from_config(cfg)
         t = cfg.training
-        self.layout = resolve_layout(cfg.parallelism, opts.world_size, args, local_batch_size=t.local_batch_size,
-                                     seq_len=t.seq_len)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.resolved = configure_kernels(cfg.kernels, args)
         self.tokenizer = tokenizer_from_config(cfg, args)
         self.vision = vision_args_from_config(cfg, self.tokenizer)
+        self.layout = resolve_layout(cfg, opts.world_size, args, image_text=self.vision is not None)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.resolved = configure_kernels(cfg.kernels, args)
         if opts.rows:
             cfg.step_time.rows = opts.rows  # the same forms; the step-time model checks it against seq_len
         self.model = StepTimeModel(cfg, args, self.vision, settings_from_config(cfg))
         self.rows_layout: RowLayout = self.model.rows_layout
         pipeline = self.layout.pipeline
         self.rows = self.layout.microbatch_size if pipeline is not None else t.local_batch_size
-        global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * self.layout.dp
-        accum = global_batch // (t.local_batch_size * self.layout.dp)
-        self.n_microbatches = (t.local_batch_size // self.rows if pipeline is not None else 1) * accum
+        self.n_microbatches = ((t.local_batch_size // self.rows if pipeline is not None else 1)
+                               * self.layout.accumulation_steps)
         self.tokens = self.rows * t.seq_len
         self.dtype = compute_dtype(cfg)
         self.gen = torch.Generator().manual_seed(cfg.job.seed)

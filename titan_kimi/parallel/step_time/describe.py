@@ -57,8 +57,7 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
             c = variant(cfg, layout.world_size, pp=layout.pp, cp=layout.cp, ep=layout.ep,
                         microbatch=layout.microbatch_size, schedule=schedule)
             try:
-                other = resolve_layout(c.parallelism, layout.world_size, args,
-                                       local_batch_size=c.training.local_batch_size, seq_len=c.training.seq_len)
+                other = resolve_layout(c, layout.world_size, args, image_text=vision is not None)
             except ValueError as err:
                 lines.append(f"step time with {schedule}: not a valid layout ({str(err).split(';')[0]})")
                 continue

@@ -2,8 +2,9 @@
 
 Candidates keep the recipe's global batch, sequence length, model and activation checkpointing, and vary
 pipeline degree and schedule, context parallelism, expert parallelism and the microbatch size (dp_shard takes
-the ranks left, dp_replicate stays 1). Whether one is valid is decided where the trainer decides it: the config
-rules (``validate_job_config`` at that world size) and ``resolve_layout``; nothing is re-checked here.
+the ranks left, dp_replicate stays 1). Whether one is valid is decided where the trainer decides it: the layout's
+one check (``resolve_layout``, with the model and whether it is image-text) and the other config rules
+(``validate_job_config`` at that world size); nothing is re-checked here.
 """
 
 from __future__ import annotations
@@ -58,20 +59,15 @@ def candidates(cfg, args, world_size: int, *, image_text: bool = False) -> tuple
     """The valid layouts of ``world_size`` GPUs, and how many were rejected by the trainer's checks."""
     found, rejected, seen = [], 0, set()
     experts = sorted({*EXPERT_DEGREES, cfg.parallelism.expert_parallel_degree})
-    # the trainer refuses context parallelism for an image-text model when it builds (Trainer's check of unbuilt
-    # combinations), after the config and layout checks
-    contexts = (1,) if image_text else CONTEXT_DEGREES
     for pp in PIPELINE_DEGREES:
-        for cp in contexts:
+        for cp in CONTEXT_DEGREES:
             for ep in experts:
                 for mb, schedule, fsdp in _pipelines(cfg, pp):
                     c = variant(cfg, world_size, pp=pp, cp=cp, ep=ep, microbatch=mb, schedule=schedule, fsdp=fsdp)
                     if c is None:
                         continue
                     try:  # the layout's own checks first: they are the cheaper ones
-                        layout = resolve_layout(c.parallelism, world_size, args,
-                                                local_batch_size=c.training.local_batch_size,
-                                                seq_len=c.training.seq_len)
+                        layout = resolve_layout(c, world_size, args, image_text=image_text)
                         validate_job_config(c, None, world_size, check_registry=False)
                     except ValueError:
                         rejected += 1
