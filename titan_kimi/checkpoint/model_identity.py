@@ -21,10 +21,10 @@ from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 MODEL_ARGS_FILE = "model_args.json"
 # An image-text model's tower and projector args, next to model_args.json (absent for a text model).
 VISION_ARGS_FILE = "vision_args.json"
-# Training settings (FLOP accounting, how the indexer trains), not properties of the weights.
-NOT_ARCHITECTURE = frozenset({"max_seq_len", "index_training"})
+# Training settings (FLOP accounting, how the indexer trains, the DSA dense shortcut), not properties of the weights.
+NOT_ARCHITECTURE = frozenset({"max_seq_len", "index_training", "dsa_dense_shortcut"})
 # Not HF config fields (checkpoint/hf_config.py): config.json cannot disagree about them.
-NOT_IN_HF_CONFIG = frozenset({"mla_norm_eps", "index_norm_eps", "max_seq_len", "index_training"})
+NOT_IN_HF_CONFIG = frozenset({"mla_norm_eps", "index_norm_eps", *NOT_ARCHITECTURE})
 _INDEXER_FIELDS = frozenset({"index_head_dim", "index_topk", "index_rope", "index_norm_eps"})
 
 

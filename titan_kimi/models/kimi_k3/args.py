@@ -63,6 +63,9 @@ class KimiK3ModelArgs(BaseModelArgs):
     # "sparse" (sparse attention; the indexer distils it over the keys it selected). A training setting, not a
     # property of the weights: checkpoints of one mode load in another.
     index_training: str = "frozen"
+    # K3.1: DSA layers attend densely when the indexer would select every causal key (KimiK3Model.dsa_dense);
+    # same losses and gradients. A training setting (model.dsa_dense_shortcut), not a property of the weights.
+    dsa_dense_shortcut: bool = True
     # Dense MLP (layers < first_k_dense_replace)
     inter_dim: int = 33792
     first_k_dense_replace: int = 1
@@ -187,17 +190,6 @@ class KimiK3ModelArgs(BaseModelArgs):
         if "n_layers" in changes and "kda_layers" not in changes and "full_attn_layers" not in changes:
             changes.update(kda_layers=(), full_attn_layers=())
         return dataclasses.replace(self, **changes)
-
-    # ------------------------------------------------------------------ torchtitan protocol
-    def update_from_config(self, job_config: Any, **kwargs: Any) -> None:
-        seq_len = getattr(getattr(job_config, "training", None), "seq_len", None)
-        if seq_len:
-            self.max_seq_len = int(seq_len)
-
-    def get_nparams_and_flops(self, model: Any, seq_len: int) -> tuple[int, int]:
-        from titan_kimi.models.kimi_k3.accounting import count_params, training_flops_per_token
-
-        return count_params(model).total, int(training_flops_per_token(self, seq_len))
 
     # ------------------------------------------------------------------ HF config.json
     @classmethod

@@ -49,9 +49,6 @@ class KimiK3Model(nn.Module):
         # SequenceInfo. Context parallelism replaces it from outside (titan_kimi.parallel.context_parallel) with
         # one that takes the whole rows' doc_ids and describes this rank's share of the tokens.
         self.build_sequence: Callable[..., SequenceInfo] = build_sequence_info
-        # K3.1: DSA layers attend densely when the indexer would select every causal key (``dsa_dense``);
-        # set from model.dsa_dense_shortcut.
-        self.dsa_dense_shortcut = True
 
     def forward(
         self,
@@ -138,7 +135,7 @@ class KimiK3Model(nn.Module):
         counts of padding tokens (a metric) can differ."""
         if max_causal_keys is not None and (not isinstance(max_causal_keys, int) or max_causal_keys < 0):
             raise ValueError(f"max_causal_keys = {max_causal_keys!r}: expected a Python int >= 0, or None (unknown)")
-        if not (self.dsa_dense_shortcut and self.args.has_indexer):
+        if not (self.args.dsa_dense_shortcut and self.args.has_indexer):
             return False
         row = seq.exchange.global_len if seq.exchange is not None else seq.seq_len
         keys = row if max_causal_keys is None else min(row, max_causal_keys)
