@@ -47,42 +47,16 @@ def _factor(rows: int, cols: int, like: torch.Tensor) -> nn.Linear:
     return nn.Linear(cols, rows, bias=False, device=like.device, dtype=like.dtype)
 
 
-class LoRALinear(_LoRAMixin, nn.Linear):
-    lora_A: nn.Linear
-    lora_B: nn.Linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
-
-    def merged_weight(self) -> torch.Tensor:
-        return self.weight + (self.lora_B.weight @ self.lora_A.weight).to(self.weight.dtype) * self.scaling
-
-    def reset_lora_parameters(self) -> None:
-        _reset_factors(self)
-
-    def parameter_init_specs(self) -> dict[str, InitSpec]:
-        return _factor_specs(self)
-
-
-def _reset_factors(module: nn.Module) -> None:
-    nn.init.kaiming_uniform_(module.lora_A.weight, a=math.sqrt(5))  # PEFT's default
-    nn.init.zeros_(module.lora_B.weight)
-
-
 def _a_spec(fan_in: int) -> InitSpec:
     """Kaiming uniform with a = sqrt(5), as ``reset_lora_parameters`` draws A: U(+-1/sqrt(fan_in))."""
     bound = 1.0 / math.sqrt(fan_in)
     return InitSpec("uniform", low=-bound, high=bound)
 
 
-def _factor_specs(module: nn.Module) -> dict[str, InitSpec]:
-    """The factors' initial distributions for the seeded initialiser (A like PEFT, B = 0); the base weight keeps
-    its own rule."""
-    return {"lora_A.weight": _a_spec(module.lora_A.weight.shape[1]), "lora_B.weight": InitSpec("constant")}
+class _MatrixLoRAMixin(_LoRAMixin):
+    """One matrix ``weight`` with factors ``lora_A`` / ``lora_B`` (``nn.Linear`` modules, as PEFT names them)."""
 
-
-class LoRALMHead(_LoRAMixin, LMHead):
+    weight: nn.Parameter
     lora_A: nn.Linear
     lora_B: nn.Linear
 
@@ -90,10 +64,23 @@ class LoRALMHead(_LoRAMixin, LMHead):
         return self.weight + (self.lora_B.weight @ self.lora_A.weight).to(self.weight.dtype) * self.scaling
 
     def reset_lora_parameters(self) -> None:
-        _reset_factors(self)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default
+        nn.init.zeros_(self.lora_B.weight)
 
     def parameter_init_specs(self) -> dict[str, InitSpec]:
-        return _factor_specs(self)
+        """The factors' initial distributions for the seeded initialiser (A like PEFT, B = 0); the base weight
+        keeps its own rule."""
+        return {"lora_A.weight": _a_spec(self.lora_A.weight.shape[1]), "lora_B.weight": InitSpec("constant")}
+
+
+class LoRALinear(_MatrixLoRAMixin, nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+class LoRALMHead(_MatrixLoRAMixin, LMHead):
+    """The head reads its weight through ``linear_weight``: ``merged_weight()`` is the whole adapter."""
 
 
 class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
