@@ -17,11 +17,11 @@ from torch.distributed.tensor import DTensor
 from titan_kimi.checkpoint.dcp_states import global_rank
 from titan_kimi.checkpoint.destinations import canonical_fqn, is_expert_key, owned_state
 from titan_kimi.checkpoint.hf_config import MXFP4_QUANTIZATION_CONFIG, hf_config
-from titan_kimi.checkpoint.hf_keys import padded_a_log_length, plan_key
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWriter
 from titan_kimi.checkpoint.mxfp4 import encode_mxfp4
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
+from titan_kimi.models.kimi_k3.state_dict_adapter import padded_a_log_length, plan_key
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor
 
 from lowerings import ops
 from lowerings.autocast import matmul_dtype
-from titan_kimi.checkpoint.hf_keys import is_adapter_key
 from titan_kimi.models.kimi_k3.head import LMHead
 from titan_kimi.models.kimi_k3.init_specs import InitSpec
 from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul
+from titan_kimi.models.kimi_k3.state_dict_adapter import is_adapter_key
 
 
 class _LoRAMixin:
