@@ -6,8 +6,8 @@ one shard). The DCP side holds ``{"model": {fqn: tensor}}``, the same layout ``C
 converted folder can serve as ``checkpoint.initial_load_path`` or be exported from a training checkpoint.
 
 An image-text model (``vision`` args) carries its tower and projector both ways, under the HF export's key names
-(``state_dict_adapter.plan_key``: ``vision_tower.*`` / ``mm_projector.*``) and with its ``vision_config`` in config.json;
-the DCP side records the tower's args in ``vision_args.json`` next to ``model_args.json``.
+(``state_dict_adapter.plan_key``: ``vision_tower.*`` / ``mm_projector.*``) and with its ``vision_config`` in
+config.json; the DCP side records the tower's args in ``vision_args.json`` next to ``model_args.json``.
 """
 
 from __future__ import annotations

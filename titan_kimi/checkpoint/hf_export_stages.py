@@ -86,8 +86,8 @@ def export_hf_stages(
     Every rank calls this with its stages (in any order); ``group`` is the pipeline group (this rank's pipeline
     rank is its rank in it; None: one process holds every stage). ``tensors_of(part)`` replaces a part's
     state as what is written (``titan_kimi.lora.merged_tensors``: adapters merged). ``settings`` are
-    ``ExportSettings``' fields, as for ``export_hf_checkpoint``. The folder must be visible to every writing rank (a shared file system, as for
-    DCP saves).
+    ``ExportSettings``' fields, as for ``export_hf_checkpoint``. The folder must be visible to every writing
+    rank (a shared file system, as for DCP saves).
     """
     args = _check_stages(parts)
     options = ExportSettings(**settings)
