@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from lowerings import ops
 from lowerings.autocast import matmul_dtype
 from titan_kimi.models.kimi_k3.head import LMHead
-from titan_kimi.models.kimi_k3.init_specs import InitSpec
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
 from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul
 from titan_kimi.models.kimi_k3.state_dict_adapter import is_adapter_key
 
@@ -63,14 +63,17 @@ class _MatrixLoRAMixin(_LoRAMixin):
     def merged_weight(self) -> torch.Tensor:
         return self.weight + (self.lora_B.weight @ self.lora_A.weight).to(self.weight.dtype) * self.scaling
 
+    def factor_init_specs(self) -> dict[str, InitSpec]:
+        """A like PEFT, B = 0."""
+        return {"lora_A.weight": _a_spec(self.lora_A.weight.shape[1]), "lora_B.weight": InitSpec("constant")}
+
     def reset_lora_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default
-        nn.init.zeros_(self.lora_B.weight)
+        init_declared(self, self.factor_init_specs())
 
     def parameter_init_specs(self) -> dict[str, InitSpec]:
-        """The factors' initial distributions for the seeded initialiser (A like PEFT, B = 0); the base weight
-        keeps its own rule."""
-        return {"lora_A.weight": _a_spec(self.lora_A.weight.shape[1]), "lora_B.weight": InitSpec("constant")}
+        """The base module's own specs, then the factors'."""
+        base = getattr(super(), "parameter_init_specs", None)
+        return {**(base() if base is not None else {}), **self.factor_init_specs()}
 
 
 class LoRALinear(_MatrixLoRAMixin, nn.Linear):
@@ -113,15 +116,17 @@ class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
         d2 = torch.bmm(self.lora_B_w2, self.lora_A_w2) * self.scaling
         return self.w13 + d13.to(self.w13.dtype), self.w2 + d2.to(self.w2.dtype)
 
-    def reset_lora_parameters(self) -> None:
-        for a, b in ((self.lora_A_w13, self.lora_B_w13), (self.lora_A_w2, self.lora_B_w2)):
-            for e in range(a.shape[0]):  # each expert's A like a Linear's (fan-in = its input width)
-                nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
-            nn.init.zeros_(b)
-
-    def parameter_init_specs(self) -> dict[str, InitSpec]:
+    def factor_init_specs(self) -> dict[str, InitSpec]:
+        """Each expert's A like a Linear's (fan-in = its input width), B = 0."""
         return {"lora_A_w13": _a_spec(self.lora_A_w13.shape[2]), "lora_B_w13": InitSpec("constant"),
                 "lora_A_w2": _a_spec(self.lora_A_w2.shape[2]), "lora_B_w2": InitSpec("constant")}
+
+    def reset_lora_parameters(self) -> None:
+        init_declared(self, self.factor_init_specs())
+
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        """The experts' own specs, then the factors'."""
+        return {**super().parameter_init_specs(), **self.factor_init_specs()}
 
 
 _ADAPTER_CLASSES: dict[type, type] = {nn.Linear: LoRALinear, LMHead: LoRALMHead, GroupedExperts: LoRAGroupedExperts}
