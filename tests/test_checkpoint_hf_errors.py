@@ -15,6 +15,7 @@ from titan_kimi.checkpoint import HFCheckpoint, hf_config, load_hf_checkpoint
 from titan_kimi.checkpoint.model_identity import NOT_IN_HF_CONFIG, args_differences
 from titan_kimi.models.kimi_k3 import KimiK3ModelArgs, flavor_names, model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
+from titan_kimi.models.kimi_k3.state_dict_adapter import args_from_hf_config
 
 LAST = "model-00003-of-00003.safetensors"
 EXPERT = f"{M}layers.7.block_sparse_moe.experts.5.w2"
@@ -233,4 +234,4 @@ def test_non_finite_weights_are_caught_where_they_are_read(tmp_path, reference, 
 @pytest.mark.parametrize("flavor", flavor_names())
 def test_our_own_config_json_never_disagrees_with_its_model(flavor):
     args = model_args_for(flavor)
-    assert args_differences(KimiK3ModelArgs.from_hf_config(hf_config(args)), args, NOT_IN_HF_CONFIG) == []
+    assert args_differences(args_from_hf_config(hf_config(args)), args, NOT_IN_HF_CONFIG) == []

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from titan_kimi.checkpoint import hf_config, hf_text_config, model_args_from_hf, plan_key
-from titan_kimi.checkpoint.hf_keys import hf_key_names
 from titan_kimi.models.kimi_k3 import KimiK3Model, flavor_names, model_args_for
+from titan_kimi.models.kimi_k3.state_dict_adapter import hf_key_names
 
 M = "language_model.model."
 

@@ -24,9 +24,10 @@ def test_longest_document_counts_runs_of_documents_not_padding():
         longest_document(torch.ones(4, dtype=torch.int32))
 
 
-def tiny_model() -> KimiK3Model:
+def tiny_model(dsa_dense_shortcut: bool = True) -> KimiK3Model:
+    """The same weights whatever ``dsa_dense_shortcut`` (a setting of the args, drawn nothing from)."""
     torch.manual_seed(0)
-    model = KimiK3Model(model_args_for("k31_debug", index_topk=TOPK))
+    model = KimiK3Model(model_args_for("k31_debug", index_topk=TOPK, dsa_dense_shortcut=dsa_dense_shortcut))
     model.init_weights()
     return model
 
@@ -66,7 +67,7 @@ def test_shortcut_gives_the_sparse_loss_and_gradients_when_every_document_fits()
     keys = longest_document(doc)
     assert keys == 14 <= TOPK
     dense_loss, dense_grads, dense_calls = loss_and_grads(model, tokens, doc, labels, keys)
-    model.dsa_dense_shortcut = False
+    model = tiny_model(dsa_dense_shortcut=False)
     sparse_loss, sparse_grads, sparse_calls = loss_and_grads(model, tokens, doc, labels, keys)
     n_dsa = sum(isinstance(m, Indexer) for m in model.modules())
     assert n_dsa > 0 and dense_calls == 0 and sparse_calls == n_dsa
@@ -140,14 +141,13 @@ def test_shortcut_under_context_parallelism_decides_from_the_whole_rows(one_rank
     documents (all within it) allow the shortcut, which then gives the sparse CP path's outputs and gradients."""
     from titan_kimi.parallel.context_parallel import ContextParallel
 
-    model = tiny_model()
+    models = {shortcut: tiny_model(dsa_dense_shortcut=shortcut) for shortcut in (True, False)}
     cp = ContextParallel(one_rank_group, "zigzag")
     tokens, doc, labels = padded_batch([[16, 10, 16, 6], [9, 16, 16, 7]], seq_len=48)
     keys = longest_document(doc)
     runs = {}
     for shortcut, max_keys in ((True, keys), (False, keys), (True, None)):
-        model.dsa_dense_shortcut = shortcut
-        runs[shortcut, max_keys] = loss_and_grads(model, tokens, doc, labels, max_keys, cp)
+        runs[shortcut, max_keys] = loss_and_grads(models[shortcut], tokens, doc, labels, max_keys, cp)
     assert runs[True, keys][2] == 0 and runs[False, keys][2] > 0
     assert runs[True, None][2] > 0  # without the batch's fact: the whole row's 48 keys, more than TOPK
     dense, sparse = runs[True, keys], runs[False, keys]
@@ -164,6 +164,6 @@ def test_config_knob_reaches_every_built_model(value):
     cfg = load_job_config(["--model.flavor", "k31_debug", "--model.dsa_dense_shortcut", value], environ={})
     args = model_args_from_config(cfg)
     model = build_model_from_config(cfg, args, tokenizer_from_config(cfg, args))
-    assert model.dsa_dense_shortcut is (value == "true")
+    assert model.args.dsa_dense_shortcut is (value == "true")
     seq = build_sequence_info(1, 8, torch.device("cpu"))
     assert model.dsa_dense(seq, 8) is (value == "true")  # 8 keys <= index_topk 32

@@ -39,13 +39,17 @@ def test_shortcut_matches_the_sparse_kernels_on_cuda(backends):
     tokens = torch.randint(1, args.vocab_size, (B, S), device="cuda")
     labels = torch.where(doc > 0, torch.randint(0, args.vocab_size, (B, S), device="cuda"), IGNORE_INDEX)
     normalizer = float((labels != IGNORE_INDEX).sum())
+    with torch.device("cuda"):  # the same weights, without the shortcut
+        sparse_model = KimiK3Model(args.replace(dsa_dense_shortcut=False))
+    sparse_model.load_state_dict(model.state_dict())
+    models = {True: model, False: sparse_model}
     calls = []
-    for m in model.modules():
+    for m in (*model.modules(), *sparse_model.modules()):
         if isinstance(m, Indexer):
             m.register_forward_hook(lambda *_: calls.append(1))
 
     def run(shortcut: bool):
-        model.dsa_dense_shortcut = shortcut
+        model = models[shortcut]
         model.zero_grad(set_to_none=True)
         hidden = model(tokens, doc_ids=doc, return_hidden=True, max_causal_keys=keys)
         loss = LinearCrossEntropyLoss(128)(model.output, hidden, labels, normalizer)

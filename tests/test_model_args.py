@@ -5,6 +5,7 @@ import torch
 
 from titan_kimi.models.kimi_k3 import KimiK3Model, KimiK3ModelArgs, count_params, model_args_for
 from titan_kimi.models.kimi_k3.args import default_full_attn_layers
+from titan_kimi.models.kimi_k3.state_dict_adapter import args_from_hf_config
 
 
 def meta_counts(flavor):
@@ -83,11 +84,11 @@ def hf_text_config():
 def test_from_hf_config_composite_and_bare():
     bare = hf_text_config()
     composite = {"model_type": "kimi_k3", "text_config": bare, "vision_config": {}}
-    a, b = KimiK3ModelArgs.from_hf_config(bare), KimiK3ModelArgs.from_hf_config(composite)
+    a, b = args_from_hf_config(bare), args_from_hf_config(composite)
     assert a == b
     assert (a.dim, a.n_layers, a.n_heads, a.moe_latent_dim, a.kda_num_heads, a.attn_res_block_size) == (256, 5, 4, 128, 4, 2)
     assert a.full_attn_layers == (4,) and not a.is_kda_layer(3) and a.index_n_heads == 0
-    k31 = KimiK3ModelArgs.from_hf_config({**bare, "index_n_heads": 8, "index_head_dim": 32, "index_topk": 64})
+    k31 = args_from_hf_config({**bare, "index_n_heads": 8, "index_head_dim": 32, "index_topk": 64})
     assert k31.has_indexer and k31.index_topk == 64
 
 
@@ -102,7 +103,7 @@ def test_from_hf_config_composite_and_bare():
 )
 def test_from_hf_config_rejects_unsupported(change, message):
     with pytest.raises(ValueError, match=message):
-        KimiK3ModelArgs.from_hf_config({**hf_text_config(), **change})
+        args_from_hf_config({**hf_text_config(), **change})
 
 
 @pytest.mark.parametrize("config, message", [

@@ -6,8 +6,8 @@ one shard). The DCP side holds ``{"model": {fqn: tensor}}``, the same layout ``C
 converted folder can serve as ``checkpoint.initial_load_path`` or be exported from a training checkpoint.
 
 An image-text model (``vision`` args) carries its tower and projector both ways, under the HF export's key names
-(``hf_keys.plan_key``: ``vision_tower.*`` / ``mm_projector.*``) and with its ``vision_config`` in config.json;
-the DCP side records the tower's args in ``vision_args.json`` next to ``model_args.json``.
+(``state_dict_adapter.plan_key``: ``vision_tower.*`` / ``mm_projector.*``) and with its ``vision_config`` in
+config.json; the DCP side records the tower's args in ``vision_args.json`` next to ``model_args.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from titan_kimi.checkpoint.destinations import Destination
 from titan_kimi.checkpoint.hf_config import model_args_from_hf
-from titan_kimi.checkpoint.hf_keys import PASSTHROUGH_PREFIXES
 from titan_kimi.checkpoint.hf_export import config_for, dtype_name, hf_tensors_for
 from titan_kimi.checkpoint.hf_index import CONFIG_FILE, HFCheckpoint
 from titan_kimi.checkpoint.hf_load import execute_reads, expected_hf_keys, expected_vision_keys
@@ -50,6 +49,7 @@ from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.models.kimi_k3.multimodal import KimiK3VLModel
+from titan_kimi.models.kimi_k3.state_dict_adapter import PASSTHROUGH_PREFIXES
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 MODEL_KEY = "model"

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -16,11 +17,11 @@ from torch.distributed.tensor import DTensor
 from titan_kimi.checkpoint.dcp_states import global_rank
 from titan_kimi.checkpoint.destinations import canonical_fqn, is_expert_key, owned_state
 from titan_kimi.checkpoint.hf_config import MXFP4_QUANTIZATION_CONFIG, hf_config
-from titan_kimi.checkpoint.hf_keys import padded_a_log_length, plan_key
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWriter
 from titan_kimi.checkpoint.mxfp4 import encode_mxfp4
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
+from titan_kimi.models.kimi_k3.state_dict_adapter import padded_a_log_length, plan_key
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -53,20 +54,41 @@ def hf_tensors_for(
             yield source.key, value.to(dtype)
 
 
+@dataclass(frozen=True)
+class ExportSettings:
+    """How an HF export writes (``export_hf_checkpoint`` and ``export_hf_stages`` take these as keywords).
+
+    All tensors in ``dtype``, the routed experts optionally MXFP4 (``mxfp4_experts``), shards of at most
+    ``max_shard_bytes``. ``fp32_params_dtype`` exports the tensors the model keeps in fp32 (A_log, dt_bias, KDA
+    convs, o_norm, router bias) in that dtype instead of ``dtype`` (e.g. torch.float32 to keep trained values
+    exactly). ``base_config`` (e.g. the source checkpoint's config.json) keeps its non-text fields such as
+    ``vision_config``. ``overwrite`` replaces an existing folder."""
+
+    dtype: torch.dtype = torch.bfloat16
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    mxfp4_experts: bool = False
+    fp32_params_dtype: torch.dtype | None = None
+    base_config: dict[str, Any] | None = None
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:  # a bad dtype fails before anything is written
+        dtype_name(self.dtype)
+        if self.fp32_params_dtype is not None:
+            dtype_name(self.fp32_params_dtype)
+
+
 def write_state(
     model: nn.Module,
     state: Mapping[str, torch.Tensor],
     writer: HFShardWriter,
-    *,
-    dtype: torch.dtype,
-    fp32_params_dtype: torch.dtype | None = None,
-    mxfp4_experts: bool = False,
+    settings: ExportSettings,
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Add the HF tensors of ``state`` (``model``'s tensors, or replacements such as merged LoRA weights) to
     ``writer``, one model tensor at a time; a DTensor is gathered first (a collective over its own mesh)."""
     args: KimiK3ModelArgs = model.args
     fp32_names = {canonical_fqn(n) for n in fp32_parameter_names(model)}
+    wide = settings.fp32_params_dtype
     for done, (fqn, tensor) in enumerate(state.items(), 1):
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()  # a collective: one tensor gathered at a time
@@ -75,19 +97,17 @@ def write_state(
                 f"{fqn} holds {tensor.shape[0]} of num_experts={args.num_experts} experts (a plain expert-parallel "
                 f"shard); an HF export needs all of them: save a DCP checkpoint and convert it"
             )
-        key_dtype = fp32_params_dtype if fp32_params_dtype is not None and fqn in fp32_names else dtype
-        for key, value in hf_tensors_for(fqn, tensor, dtype=key_dtype, mxfp4_experts=mxfp4_experts):
+        key_dtype = wide if wide is not None and fqn in fp32_names else settings.dtype
+        for key, value in hf_tensors_for(fqn, tensor, dtype=key_dtype, mxfp4_experts=settings.mxfp4_experts):
             writer.add(key, value)
         if progress is not None:
             progress(done, len(state))
 
 
-def export_config(
-    model: nn.Module, *, dtype: torch.dtype, base_config: dict[str, Any] | None = None, mxfp4_experts: bool = False
-) -> dict[str, Any]:
+def export_config(model: nn.Module, settings: ExportSettings) -> dict[str, Any]:
     """The config.json of an export of ``model`` (a whole model or any stage: both carry the full args)."""
-    return config_for(model.args, getattr(model, "vision_args", None), dtype=dtype, base_config=base_config,
-                      mxfp4_experts=mxfp4_experts)
+    return config_for(model.args, getattr(model, "vision_args", None), dtype=settings.dtype,
+                      base_config=settings.base_config, mxfp4_experts=settings.mxfp4_experts)
 
 
 def config_for(
@@ -115,24 +135,15 @@ def export_hf_checkpoint(
     model: nn.Module,
     path: str | Path,
     *,
-    dtype: torch.dtype = torch.bfloat16,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    mxfp4_experts: bool = False,
-    fp32_params_dtype: torch.dtype | None = None,
-    base_config: dict[str, Any] | None = None,
-    overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
     tensors: Mapping[str, torch.Tensor] | None = None,
+    **settings: Any,
 ) -> Path:
-    """Write ``model`` as an HF checkpoint folder at ``path`` (all tensors in ``dtype``, experts optionally MXFP4).
+    """Write ``model`` as an HF checkpoint folder at ``path``, as ``settings`` (``ExportSettings``' fields) say.
 
     Host memory: one shard of copies plus one full tensor at a time. DTensor parameters are gathered one tensor
-    at a time (every rank must call this); only rank 0 writes. ``base_config`` (e.g. the source checkpoint's
-    config.json) keeps its non-text fields such as ``vision_config``. ``fp32_params_dtype`` exports the tensors
-    the model keeps in fp32 (A_log, dt_bias, KDA convs, o_norm, router bias) in that dtype instead of ``dtype``
-    (e.g. torch.float32 to keep trained values exactly); by default everything is ``dtype``. ``tensors``
-    replaces ``model.state_dict()`` as what is written (e.g. ``titan_kimi.lora.merged_tensors(model)``: the
-    weights with their LoRA adapters merged).
+    at a time (every rank must call this); only rank 0 writes. ``tensors`` replaces ``model.state_dict()`` as
+    what is written (e.g. ``titan_kimi.lora.merged_tensors(model)``: the weights with their LoRA adapters merged).
     """
     args: KimiK3ModelArgs | None = getattr(model, "args", None)
     if not isinstance(args, KimiK3ModelArgs):
@@ -142,22 +153,18 @@ def export_hf_checkpoint(
             f"the model is a pipeline stage (layers {model.first_layer}..{model.last_layer - 1}); export every "
             f"stage together with titan_kimi.checkpoint.export_hf_stages(parts, path, group=pp_group)"
         )
-    dtype_name(dtype)
-    if fp32_params_dtype is not None:
-        dtype_name(fp32_params_dtype)
+    options = ExportSettings(**settings)
     state = owned_state(model) if tensors is None else tensors
     distributed = dist.is_available() and dist.is_initialized()
-    with HFShardWriter(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite,
+    with HFShardWriter(path, max_shard_bytes=options.max_shard_bytes, overwrite=options.overwrite,
                        enabled=global_rank() == 0) as writer:
         if distributed:
             # Every rank checks the target as it opens its writer; without this barrier rank 0 could commit a
             # small, ungathered export before a slower rank checks, and that rank would then find the target
             # "already exists" (seen in the 4-rank parity test).
             dist.barrier()
-        write_state(model, state, writer, dtype=dtype, fp32_params_dtype=fp32_params_dtype,
-                    mxfp4_experts=mxfp4_experts, progress=progress)
-        out = writer.commit({"config.json": export_config(model, dtype=dtype, base_config=base_config,
-                                                          mxfp4_experts=mxfp4_experts)})
+        write_state(model, state, writer, settings=options, progress=progress)
+        out = writer.commit({"config.json": export_config(model, options)})
     if distributed:
         dist.barrier()
     return out

@@ -22,9 +22,9 @@ import torch.nn as nn
 
 from titan_kimi.checkpoint.dcp_states import global_rank
 from titan_kimi.checkpoint.destinations import owned_state
-from titan_kimi.checkpoint.hf_export import dtype_name, export_config, write_state
-from titan_kimi.checkpoint.hf_writer import (DEFAULT_MAX_SHARD_BYTES, HFShardWriter, ShardPart, check_target,
-                                             commit_folder, prepare_tmp, tmp_folder)
+from titan_kimi.checkpoint.hf_export import ExportSettings, export_config, write_state
+from titan_kimi.checkpoint.hf_writer import (HFShardWriter, ShardPart, check_target, commit_folder, prepare_tmp,
+                                             tmp_folder)
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 
 TensorsOf = Callable[[nn.Module], Mapping[str, torch.Tensor]]
@@ -78,26 +78,20 @@ def export_hf_stages(
     path: str | Path,
     *,
     group: dist.ProcessGroup | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    mxfp4_experts: bool = False,
-    fp32_params_dtype: torch.dtype | None = None,
-    base_config: dict[str, Any] | None = None,
-    overwrite: bool = False,
     tensors_of: TensorsOf | None = None,
+    **settings: Any,
 ) -> Path:
     """Write the model whose stages ``parts`` this rank holds as one HF checkpoint folder at ``path``.
 
     Every rank calls this with its stages (in any order); ``group`` is the pipeline group (this rank's pipeline
     rank is its rank in it; None: one process holds every stage). ``tensors_of(part)`` replaces a part's
-    state as what is written (``titan_kimi.lora.merged_tensors``: adapters merged). The other options are
-    ``export_hf_checkpoint``'s. The folder must be visible to every writing rank (a shared file system, as for
-    DCP saves).
+    state as what is written (``titan_kimi.lora.merged_tensors``: adapters merged). ``settings`` are
+    ``ExportSettings``' fields, as for ``export_hf_checkpoint``. The folder must be visible to every writing
+    rank (a shared file system, as for DCP saves).
     """
     args = _check_stages(parts)
-    dtype_name(dtype)
-    if fp32_params_dtype is not None:
-        dtype_name(fp32_params_dtype)
+    options = ExportSettings(**settings)
+    overwrite = options.overwrite
     check_target(path, overwrite)
     rank = global_rank()
     pp_rank = dist.get_rank(group) if group is not None else 0
@@ -118,11 +112,10 @@ def export_hf_stages(
     try:
         for part in sorted(parts, key=lambda p: p.first_layer):
             # A prefix per stage: the stages' writers share one folder.
-            writer = HFShardWriter(path, max_shard_bytes=max_shard_bytes, overwrite=overwrite, enabled=writes,
-                                   prepare=False, part_prefix=f"stage-{part.first_layer:05d}")
+            writer = HFShardWriter(path, max_shard_bytes=options.max_shard_bytes, overwrite=overwrite,
+                                   enabled=writes, prepare=False, part_prefix=f"stage-{part.first_layer:05d}")
             state = tensors_of(part) if tensors_of is not None else owned_state(part)
-            write_state(part, state, writer, dtype=dtype, fp32_params_dtype=fp32_params_dtype,
-                        mxfp4_experts=mxfp4_experts)
+            write_state(part, state, writer, settings=options)
             written.append((part.first_layer, writer.finish()))
     except (OSError, RuntimeError, ValueError) as err:
         error = f"HF export to {path} failed on rank {rank}, nothing was replaced: {err}"
@@ -137,7 +130,7 @@ def export_hf_stages(
             _check_coverage([s for ranges, _, _ in gathered for s in ranges], args.n_layers)
             ordered = sorted((first, i, part) for _, stage_parts, _ in gathered
                              for first, files in stage_parts for i, part in enumerate(files))
-            config = export_config(parts[0], dtype=dtype, base_config=base_config, mxfp4_experts=mxfp4_experts)
+            config = export_config(parts[0], options)
             commit_folder(path, [part for _, _, part in ordered], {"config.json": config}, overwrite=overwrite)
         except (OSError, ValueError) as err:
             shutil.rmtree(tmp_folder(path), ignore_errors=True)

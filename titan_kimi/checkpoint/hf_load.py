@@ -15,12 +15,12 @@ import torch.nn as nn
 
 from titan_kimi.checkpoint.destinations import model_destinations
 from titan_kimi.checkpoint.hf_index import CONFIG_FILE, HFCheckpoint
-from titan_kimi.checkpoint.hf_keys import hf_key_names, is_adapter_key, is_indexer_key
 from titan_kimi.checkpoint.hf_plan import MXFP4, Read, plan_load
 from titan_kimi.checkpoint.model_identity import check_config_json
 from titan_kimi.checkpoint.mxfp4 import GROUP, decode_mxfp4
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
+from titan_kimi.models.kimi_k3.state_dict_adapter import hf_key_names, is_adapter_key, is_indexer_key
 
 Progress = Callable[[int, int], None]  # (done, total)
 

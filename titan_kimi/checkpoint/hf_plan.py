@@ -11,7 +11,8 @@ import torch
 
 from titan_kimi.checkpoint.destinations import Destination
 from titan_kimi.checkpoint.hf_index import FLOAT_DTYPES, SCALE_DTYPES, HFCheckpoint, ShardFileError
-from titan_kimi.checkpoint.hf_keys import (
+from titan_kimi.checkpoint.mxfp4 import mxfp4_shapes
+from titan_kimi.models.kimi_k3.state_dict_adapter import (
     A_LOG_PAD_MULTIPLE,
     PASSTHROUGH_PREFIXES,
     TEXT_PREFIX,
@@ -19,7 +20,6 @@ from titan_kimi.checkpoint.hf_keys import (
     Piece,
     plan_key,
 )
-from titan_kimi.checkpoint.mxfp4 import mxfp4_shapes
 
 DENSE, PADDED, MXFP4 = "dense", "padded", "mxfp4"
 

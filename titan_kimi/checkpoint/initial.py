@@ -12,12 +12,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titan_kimi.checkpoint.dcp_states import ModelState
 from titan_kimi.checkpoint.hf_index import INDEX_FILE, SINGLE_FILE
-from titan_kimi.checkpoint.hf_keys import is_indexer_key
 from titan_kimi.checkpoint.hf_load import load_hf_checkpoint
 from titan_kimi.checkpoint.finite import check_finite_parameters
 from titan_kimi.checkpoint.manager import quiet_single_process
 from titan_kimi.checkpoint.model_identity import check_model_args, check_saved_keys, read_model_args
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.state_dict_adapter import is_indexer_key
 
 MODEL_PREFIX = "model."
 

@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from titan_kimi.checkpoint.dcp_states import ModelState, OptimizerState, RankLocal, RNGState, global_rank
 from titan_kimi.checkpoint.finite import check_finite_parameters
-from titan_kimi.checkpoint.hf_keys import is_adapter_key
 from titan_kimi.checkpoint.integrity import damaged_files, unreadable_data
 from titan_kimi.checkpoint.model_identity import (check_model_args, check_same_indexer_training, check_saved_keys,
                                                   read_model_args, write_model_args, write_vision_args)
 from titan_kimi.checkpoint.storage_errors import describe_write_failure
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.state_dict_adapter import is_adapter_key
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 logger = logging.getLogger("titan_kimi")

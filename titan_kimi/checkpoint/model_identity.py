@@ -16,15 +16,16 @@ from typing import Any, Iterable
 import torch
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.state_dict_adapter import args_from_hf_config
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 MODEL_ARGS_FILE = "model_args.json"
 # An image-text model's tower and projector args, next to model_args.json (absent for a text model).
 VISION_ARGS_FILE = "vision_args.json"
-# Training settings (FLOP accounting, how the indexer trains), not properties of the weights.
-NOT_ARCHITECTURE = frozenset({"max_seq_len", "index_training"})
-# Not HF config fields (checkpoint/hf_config.py): config.json cannot disagree about them.
-NOT_IN_HF_CONFIG = frozenset({"mla_norm_eps", "index_norm_eps", "max_seq_len", "index_training"})
+# Training settings (FLOP accounting, how the indexer trains, the DSA dense shortcut), not properties of the weights.
+NOT_ARCHITECTURE = frozenset({"max_seq_len", "index_training", "dsa_dense_shortcut"})
+# Not HF config fields (models/kimi_k3/state_dict_adapter.py): config.json cannot disagree about them.
+NOT_IN_HF_CONFIG = frozenset({"mla_norm_eps", "index_norm_eps", *NOT_ARCHITECTURE})
 _INDEXER_FIELDS = frozenset({"index_head_dim", "index_topk", "index_rope", "index_norm_eps"})
 
 
@@ -144,7 +145,7 @@ def check_config_json(config: dict[str, Any], args: KimiK3ModelArgs, file: str |
                       remedy: str | None = None) -> None:
     """ValueError naming every field where the checkpoint's config.json and the model's args disagree."""
     try:
-        saved = KimiK3ModelArgs.from_hf_config(config)
+        saved = args_from_hf_config(config)
     except (ValueError, TypeError) as err:
         raise ValueError(f"{file}: cannot be read as a Kimi K3 config ({err})") from None
     check_model_args(saved, args, str(file), ignore=NOT_IN_HF_CONFIG, remedy=remedy or (

@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor
 
 from lowerings import ops
 from lowerings.autocast import matmul_dtype
-from titan_kimi.checkpoint.hf_keys import is_adapter_key
 from titan_kimi.models.kimi_k3.head import LMHead
-from titan_kimi.models.kimi_k3.init_specs import InitSpec
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
 from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul
+from titan_kimi.models.kimi_k3.state_dict_adapter import is_adapter_key
 
 
 class _LoRAMixin:
@@ -47,53 +47,43 @@ def _factor(rows: int, cols: int, like: torch.Tensor) -> nn.Linear:
     return nn.Linear(cols, rows, bias=False, device=like.device, dtype=like.dtype)
 
 
-class LoRALinear(_LoRAMixin, nn.Linear):
-    lora_A: nn.Linear
-    lora_B: nn.Linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
-
-    def merged_weight(self) -> torch.Tensor:
-        return self.weight + (self.lora_B.weight @ self.lora_A.weight).to(self.weight.dtype) * self.scaling
-
-    def reset_lora_parameters(self) -> None:
-        _reset_factors(self)
-
-    def parameter_init_specs(self) -> dict[str, InitSpec]:
-        return _factor_specs(self)
-
-
-def _reset_factors(module: nn.Module) -> None:
-    nn.init.kaiming_uniform_(module.lora_A.weight, a=math.sqrt(5))  # PEFT's default
-    nn.init.zeros_(module.lora_B.weight)
-
-
 def _a_spec(fan_in: int) -> InitSpec:
     """Kaiming uniform with a = sqrt(5), as ``reset_lora_parameters`` draws A: U(+-1/sqrt(fan_in))."""
     bound = 1.0 / math.sqrt(fan_in)
     return InitSpec("uniform", low=-bound, high=bound)
 
 
-def _factor_specs(module: nn.Module) -> dict[str, InitSpec]:
-    """The factors' initial distributions for the seeded initialiser (A like PEFT, B = 0); the base weight keeps
-    its own rule."""
-    return {"lora_A.weight": _a_spec(module.lora_A.weight.shape[1]), "lora_B.weight": InitSpec("constant")}
+class _MatrixLoRAMixin(_LoRAMixin):
+    """One matrix ``weight`` with factors ``lora_A`` / ``lora_B`` (``nn.Linear`` modules, as PEFT names them)."""
 
-
-class LoRALMHead(_LoRAMixin, LMHead):
+    weight: nn.Parameter
     lora_A: nn.Linear
     lora_B: nn.Linear
 
     def merged_weight(self) -> torch.Tensor:
         return self.weight + (self.lora_B.weight @ self.lora_A.weight).to(self.weight.dtype) * self.scaling
 
+    def factor_init_specs(self) -> dict[str, InitSpec]:
+        """A like PEFT, B = 0."""
+        return {"lora_A.weight": _a_spec(self.lora_A.weight.shape[1]), "lora_B.weight": InitSpec("constant")}
+
     def reset_lora_parameters(self) -> None:
-        _reset_factors(self)
+        init_declared(self, self.factor_init_specs())
 
     def parameter_init_specs(self) -> dict[str, InitSpec]:
-        return _factor_specs(self)
+        """The base module's own specs, then the factors'."""
+        base = getattr(super(), "parameter_init_specs", None)
+        return {**(base() if base is not None else {}), **self.factor_init_specs()}
+
+
+class LoRALinear(_MatrixLoRAMixin, nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+
+class LoRALMHead(_MatrixLoRAMixin, LMHead):
+    """The head reads its weight through ``linear_weight``: ``merged_weight()`` is the whole adapter."""
 
 
 class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
@@ -126,15 +116,17 @@ class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
         d2 = torch.bmm(self.lora_B_w2, self.lora_A_w2) * self.scaling
         return self.w13 + d13.to(self.w13.dtype), self.w2 + d2.to(self.w2.dtype)
 
-    def reset_lora_parameters(self) -> None:
-        for a, b in ((self.lora_A_w13, self.lora_B_w13), (self.lora_A_w2, self.lora_B_w2)):
-            for e in range(a.shape[0]):  # each expert's A like a Linear's (fan-in = its input width)
-                nn.init.kaiming_uniform_(a[e], a=math.sqrt(5))
-            nn.init.zeros_(b)
-
-    def parameter_init_specs(self) -> dict[str, InitSpec]:
+    def factor_init_specs(self) -> dict[str, InitSpec]:
+        """Each expert's A like a Linear's (fan-in = its input width), B = 0."""
         return {"lora_A_w13": _a_spec(self.lora_A_w13.shape[2]), "lora_B_w13": InitSpec("constant"),
                 "lora_A_w2": _a_spec(self.lora_A_w2.shape[2]), "lora_B_w2": InitSpec("constant")}
+
+    def reset_lora_parameters(self) -> None:
+        init_declared(self, self.factor_init_specs())
+
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        """The experts' own specs, then the factors'."""
+        return {**super().parameter_init_specs(), **self.factor_init_specs()}
 
 
 _ADAPTER_CLASSES: dict[type, type] = {nn.Linear: LoRALinear, LMHead: LoRALMHead, GroupedExperts: LoRAGroupedExperts}

@@ -2,7 +2,7 @@
 
 Tensor names are the public HF module paths (spec §9) under PEFT's ``base_model.model.`` prefix, e.g.
 ``base_model.model.language_model.model.layers.3.self_attn.kv_b_proj.lora_A.weight``. They come from the same
-key plans as the checkpoint (``titan_kimi.checkpoint.hf_keys``), read through the adapter:
+key plans as the checkpoint (``titan_kimi.models.kimi_k3.state_dict_adapter``), read through the adapter:
 
 - a module whose weight is one HF tensor saves its A and B as they are;
 - our fused ``[gate | up]`` projection, which is two HF tensors stacked by rows, saves each HF module its rows of
@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor
 
 from titan_kimi.checkpoint.dcp_states import global_rank
 from titan_kimi.checkpoint.destinations import canonical_fqn, model_destinations
-from titan_kimi.checkpoint.hf_keys import plan_key
 from titan_kimi.lora.modules import LoRAGroupedExperts, adapter_modules, is_adapter_parameter
+from titan_kimi.models.kimi_k3.state_dict_adapter import plan_key
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -25,9 +25,8 @@ def model_args_from_config(cfg) -> KimiK3ModelArgs:
             raise ValueError(f"model.hf_config_path: {err}") from None
     else:
         args = model_args_for(cfg.model.flavor)
-    args = indexer_args(args, cfg)
-    args.max_seq_len = cfg.training.seq_len
-    return args
+    return indexer_args(args, cfg).replace(max_seq_len=cfg.training.seq_len,
+                                           dsa_dense_shortcut=cfg.model.dsa_dense_shortcut)
 
 
 def tokenizer_from_config(cfg, args: KimiK3ModelArgs) -> KimiTokenizer:
@@ -103,15 +102,12 @@ def build_meta_model(
 
 def build_model_from_config(cfg, args: KimiK3ModelArgs, tokenizer: KimiTokenizer,
                             layer_range: tuple[int, int] | None = None) -> KimiK3Model:
-    """``build_meta_model`` with the job config's dtype, vision tower, freezing, ``[lora]`` settings and DSA
-    dense shortcut."""
-    model = build_meta_model(
+    """``build_meta_model`` with the job config's dtype, vision tower, freezing and ``[lora]`` settings."""
+    return build_meta_model(
         args, DTYPES[cfg.model.dtype], indexer_mode=cfg.indexer.mode, warmup_trains=cfg.indexer.warmup_trains,
         vision=vision_args_from_config(cfg, tokenizer), freeze_vision_tower=cfg.model.freeze_vision_tower,
         lora=LoRASettings.from_config(cfg.lora) if cfg.lora.enable else None, layer_range=layer_range,
     )
-    model.dsa_dense_shortcut = cfg.model.dsa_dense_shortcut
-    return model
 
 
 def dataloader_from_config(cfg, args: KimiK3ModelArgs, tokenizer: KimiTokenizer, path: str, *,

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from titan_kimi.checkpoint.destinations import Destination, model_destinations
-from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_specs
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, draw_, init_specs
 
 BLOCK_VALUES = 1 << 22  # rows per block of a matrix: about this many values (16 MiB in fp32)
 
@@ -41,19 +41,7 @@ def rows_per_block(global_shape: tuple[int, ...]) -> int:
 def _draw(spec: InitSpec, shape: tuple[int, ...], row0: int, generator: torch.Generator,
           device: torch.device) -> torch.Tensor:
     out = torch.empty(shape, dtype=torch.float32, device=device)
-    if spec.kind == "normal":
-        out.normal_(0.0, spec.std, generator=generator)
-    elif spec.kind == "trunc_normal":
-        nn.init.trunc_normal_(out, 0.0, spec.std, spec.low, spec.high, generator=generator)
-    elif spec.kind == "uniform":
-        out.uniform_(spec.low, spec.high, generator=generator)
-    elif spec.kind == "log_uniform":
-        out.uniform_(spec.low, spec.high, generator=generator).log_()
-    else:
-        raise ValueError(f"unknown init kind {spec.kind!r}")
-    for row in spec.zero_rows:
-        if out.dim() and row0 <= row < row0 + shape[0]:
-            out[row - row0].zero_()
+    draw_(out, spec, generator, row0)
     return out
 
 

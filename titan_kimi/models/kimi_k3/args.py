@@ -1,4 +1,5 @@
-"""Model arguments for Kimi K3 / K3.1 text models, with validation and the HF config.json mapping.
+"""Model arguments for Kimi K3 / K3.1 text models, with validation (the HF config.json mapping:
+``state_dict_adapter``).
 
 Field names follow torchtitan where one exists (dim, n_layers, n_heads, vocab_size); the rest follow the
 checkpoint config (spec/kimi_k3_architecture.md §1, §16a). Layer numbers in ``kda_layers`` and
@@ -63,6 +64,9 @@ class KimiK3ModelArgs(BaseModelArgs):
     # "sparse" (sparse attention; the indexer distils it over the keys it selected). A training setting, not a
     # property of the weights: checkpoints of one mode load in another.
     index_training: str = "frozen"
+    # K3.1: DSA layers attend densely when the indexer would select every causal key (KimiK3Model.dsa_dense);
+    # same losses and gradients. A training setting (model.dsa_dense_shortcut), not a property of the weights.
+    dsa_dense_shortcut: bool = True
     # Dense MLP (layers < first_k_dense_replace)
     inter_dim: int = 33792
     first_k_dense_replace: int = 1
@@ -187,127 +191,3 @@ class KimiK3ModelArgs(BaseModelArgs):
         if "n_layers" in changes and "kda_layers" not in changes and "full_attn_layers" not in changes:
             changes.update(kda_layers=(), full_attn_layers=())
         return dataclasses.replace(self, **changes)
-
-    # ------------------------------------------------------------------ torchtitan protocol
-    def update_from_config(self, job_config: Any, **kwargs: Any) -> None:
-        seq_len = getattr(getattr(job_config, "training", None), "seq_len", None)
-        if seq_len:
-            self.max_seq_len = int(seq_len)
-
-    def get_nparams_and_flops(self, model: Any, seq_len: int) -> tuple[int, int]:
-        from titan_kimi.models.kimi_k3.accounting import count_params, training_flops_per_token
-
-        return count_params(model).total, int(training_flops_per_token(self, seq_len))
-
-    # ------------------------------------------------------------------ HF config.json
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> "KimiK3ModelArgs":
-        """Map a checkpoint ``config.json`` (composite ``kimi_k3`` with ``text_config``, or a bare text config)."""
-        return cls(**{**hf_config_to_kwargs(config), **overrides})
-
-
-HF_RENAMES = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "dim",
-    "num_hidden_layers": "n_layers",
-    "rms_norm_eps": "norm_eps",
-    "pad_token_id": "pad_token_id",
-    "initializer_range": "init_std",
-    "num_attention_heads": "n_heads",
-    "kv_lora_rank": "kv_lora_rank",
-    "qk_nope_head_dim": "qk_nope_head_dim",
-    "qk_rope_head_dim": "qk_rope_head_dim",
-    "v_head_dim": "v_head_dim",
-    "mla_use_output_gate": "mla_output_gate",
-    "intermediate_size": "inter_dim",
-    "first_k_dense_replace": "first_k_dense_replace",
-    "moe_layer_freq": "moe_layer_freq",
-    "num_experts": "num_experts",
-    "num_experts_per_token": "num_experts_per_tok",
-    "num_shared_experts": "num_shared_experts",
-    "moe_intermediate_size": "moe_inter_dim",
-    "latent_moe_use_norm": "latent_moe_use_norm",
-    "moe_router_activation_func": "router_score_func",
-    "moe_renormalize": "route_norm",
-    "routed_scaling_factor": "route_scale",
-    "num_expert_group": "num_expert_groups",
-    "topk_group": "topk_groups",
-    "activation_situ_beta": "situ_beta",
-    "activation_situ_linear_beta": "situ_linear_beta",
-    "index_n_heads": "index_n_heads",
-    "index_head_dim": "index_head_dim",
-    "index_topk": "index_topk",
-    "index_rope": "index_rope",
-}
-
-
-_VALUE_KINDS = {int: ((int,), "an integer"), float: ((int, float), "a number"), bool: ((bool,), "true or false"),
-                str: ((str,), "a string")}
-
-
-def _check_kind(hf: str, ours: str, value: Any) -> None:
-    """A config value of the field's type (a wrong one fails later with an unrelated TypeError otherwise)."""
-    default = KimiK3ModelArgs.__dataclass_fields__[ours].default
-    if isinstance(default, tuple):
-        ok = isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-        word = "a list of integers"
-    elif ours == "kda_gate_lower_bound":
-        ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-        word = "a number or null"
-    else:
-        kinds, word = _VALUE_KINDS[type(default)]
-        ok = isinstance(value, kinds) and (type(default) is bool or not isinstance(value, bool))
-    if not ok:
-        raise ValueError(f"config.json: {hf} = {value!r} must be {word}")
-
-
-def hf_config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
-    """Model-args keyword arguments from a checkpoint config dict; rejects settings the model cannot build."""
-    if not isinstance(config, dict):
-        raise ValueError(f"config.json: must be a JSON object, got {type(config).__name__}")
-    text = config.get("text_config", config)
-    if not isinstance(text, dict):
-        raise ValueError(f"config.json: text_config must be an object, got {type(text).__name__}")
-    out: dict[str, Any] = {}
-    for hf, ours in HF_RENAMES.items():
-        if text.get(hf) is not None:
-            _check_kind(hf, ours, text[hf])
-            out[ours] = text[hf]
-    if text.get("tie_word_embeddings"):
-        raise ValueError("config.json: tie_word_embeddings = true is not supported (Kimi K3 has an untied lm_head)")
-    if text.get("mla_use_nope") is False:
-        raise ValueError("config.json: mla_use_nope = false is not supported (Kimi K3 MLA applies no RoPE)")
-    n_kv = text.get("num_key_value_heads")
-    if n_kv is not None and n_kv != text.get("num_attention_heads", n_kv):
-        raise ValueError(f"config.json: num_key_value_heads = {n_kv} must equal num_attention_heads (no GQA in K3 MLA)")
-    if text.get("num_nextn_predict_layers"):
-        raise ValueError("config.json: num_nextn_predict_layers > 0 (MTP) is not supported")
-    out["q_lora_rank"] = text.get("q_lora_rank") or 0
-    latent = text.get("routed_expert_hidden_size")
-    out["moe_latent_dim"] = latent or 0
-    block = text.get("attn_res_block_size", 12)
-    out["attn_res_block_size"] = block or 0
-    lac = text.get("linear_attn_config") or {}
-    if not isinstance(lac, dict):
-        raise ValueError(f"config.json: linear_attn_config must be an object, got {type(lac).__name__}")
-    for hf in ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size"):
-        if text.get(hf) is not None and (not isinstance(text[hf], int) or isinstance(text[hf], bool)):
-            raise ValueError(f"config.json: {hf} = {text[hf]!r} must be an integer or null")
-    if lac:
-        out["kda_layers"] = tuple(lac.get("kda_layers") or ())
-        out["full_attn_layers"] = tuple(lac.get("full_attn_layers") or ())
-        for hf, ours in (("num_heads", "kda_num_heads"), ("head_dim", "kda_head_dim"),
-                         ("short_conv_kernel_size", "kda_conv_size"), ("use_full_rank_gate", "kda_full_rank_gate"),
-                         ("kda_layers", "kda_layers"), ("full_attn_layers", "full_attn_layers"),
-                         ("gate_lower_bound", "kda_gate_lower_bound")):
-            if hf in lac:
-                _check_kind(f"linear_attn_config.{hf}", ours, lac[hf])
-        for hf, ours in (("num_heads", "kda_num_heads"), ("head_dim", "kda_head_dim"),
-                         ("short_conv_kernel_size", "kda_conv_size"), ("use_full_rank_gate", "kda_full_rank_gate")):
-            if hf in lac:
-                out[ours] = lac[hf]
-        if "gate_lower_bound" in lac:
-            out["kda_gate_lower_bound"] = lac["gate_lower_bound"]
-    if text.get("moe_router_activation_func") == "sigmoid_with_bias":
-        out["router_score_func"] = "sigmoid"
-    return out

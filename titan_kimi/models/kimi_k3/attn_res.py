@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from lowerings import ops
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
 
 
 class AttnResMix(nn.Module):
@@ -24,6 +25,8 @@ class AttnResMix(nn.Module):
         out = ops.attn_res_mix(bank, partial.reshape(B * S, H), self.norm_weight, self.proj_weight, self.eps)
         return out.view(B, S, H)
 
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return {"norm_weight": InitSpec("constant", value=1.0), "proj_weight": InitSpec("normal", std=self.init_std)}
+
     def init_weights(self) -> None:
-        nn.init.ones_(self.norm_weight)
-        nn.init.normal_(self.proj_weight, mean=0.0, std=self.init_std)
+        init_declared(self)

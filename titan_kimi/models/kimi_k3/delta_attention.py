@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from lowerings import ops
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-from titan_kimi.models.kimi_k3.init import init_linear
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared, init_linear
 from titan_kimi.models.kimi_k3.norms import GatedRMSNorm
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo
 from titan_kimi.models.kimi_k3.short_conv import ShortConv
@@ -31,10 +31,11 @@ class DecayParams(nn.Module):
         # parameters when this forward returns (they are tiny: H + H*d values).
         return self.A_log.clone(), self.dt_bias.clone()
 
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return {"A_log": InitSpec("log_uniform", low=1.0, high=16.0), "dt_bias": InitSpec("constant", value=0.0)}
+
     def init_weights(self) -> None:
-        with torch.no_grad():
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            self.dt_bias.zero_()
+        init_declared(self)
 
 
 class KimiDeltaAttention(nn.Module):

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from lowerings import ops
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
 from titan_kimi.models.kimi_k3.weights import linear_weight
 
 
@@ -38,6 +39,9 @@ class LMHead(nn.Module):
             normalizer = (labels != ops.IGNORE_INDEX).sum()
         return ops.linear_cross_entropy(hidden, weight, labels, normalizer=normalizer, chunk_size=chunk_size)
 
-    def init_weights(self) -> None:
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
         std = 1.0 / math.sqrt(self.weight.shape[1])  # spec §14: truncated normal, std H^-1/2, cutoff 3 std
-        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        return {"weight": InitSpec("trunc_normal", std=std, low=-3 * std, high=3 * std)}
+
+    def init_weights(self) -> None:  # this class's weight: an adapter subclass draws its factors on reset
+        init_declared(self, LMHead.parameter_init_specs(self))

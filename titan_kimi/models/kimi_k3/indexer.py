@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from lowerings import ops
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-from titan_kimi.models.kimi_k3.init import init_linear
+from titan_kimi.models.kimi_k3.init_specs import init_linear
 from titan_kimi.models.kimi_k3.norms import FP32LayerNorm
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo, query_runs
 

@@ -20,15 +20,29 @@ over the real queries with more causal keys than top-k (for the others it is 1 b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from lowerings import ops
+from titan_kimi.models.kimi_k3.indexer import Indexer
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo, query_runs
 
-if TYPE_CHECKING:
-    from titan_kimi.models.kimi_k3.mla import GatedMLA
+
+class DistilledMLA(Protocol):
+    """What ``distilled_attention`` reads of the DSA layer (``mla.GatedMLA``), which calls it."""
+
+    indexer: Indexer
+    scale: float
+    kv_lora_rank: int
+
+    def latent_queries(self, q: torch.Tensor) -> torch.Tensor: ...
+
+    def dense_attention(self, q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+                        seq: SequenceInfo) -> torch.Tensor: ...
+
+    def sparse_attention(self, q_latent: torch.Tensor, kv_latent: torch.Tensor, indices: torch.Tensor, B: int,
+                         S: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -81,7 +95,7 @@ def _dense_kl(iq, ik_rows, iw, q_lat, kv_rows, lse, seq: SequenceInfo, index_sca
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def distilled_attention(mla: GatedMLA, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor,
+def distilled_attention(mla: DistilledMLA, x: torch.Tensor, q: torch.Tensor, q_latent: torch.Tensor,
                         c_kv: torch.Tensor, k_rope: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
     """The DSA layer's attention output ``[B,S,n,v]`` while its indexer trains, with the indexer's KL attached.
 

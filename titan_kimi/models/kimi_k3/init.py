@@ -1,13 +1,10 @@
-"""Initialisation helpers (spec §14) and the fp32-parameter policy."""
+"""The fp32-parameter policy: which parameters stay fp32 whatever the model dtype (the initial distributions:
+``init_specs``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
-
-def init_linear(linear: nn.Linear, std: float) -> None:
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
 
 
 def fp32_parameter_names(model: nn.Module) -> set[str]:

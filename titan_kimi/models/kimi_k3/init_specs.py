@@ -1,23 +1,16 @@
-"""The initial distribution of every parameter, by name, as data: what each module's ``init_weights`` draws
-(spec §14), for an initialiser that draws each parameter from its own seed (titan_kimi/training/seeded_init.py)
-instead of one global random stream.
-
-Keep in step with the modules' ``init_weights``; tests/test_seeded_init.py compares the two distributions for
-every parameter of the debug flavors.
+"""The initial distribution of every parameter, by name, as data (spec §14): the one description of the
+initialisation. Each module declares its own parameters' distributions (``parameter_init_specs() -> {relative
+name: InitSpec}``; a plain ``nn.Linear`` has N(0, init_std)). Two initialisers draw from it: the modules'
+``init_weights`` (``init_declared``, one global random stream, in declaration order) and
+titan_kimi/training/seeded_init.py (each parameter from its own seed, whatever the parallel layout).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
-
-from titan_kimi.models.kimi_k3.attn_res import AttnResMix
-from titan_kimi.models.kimi_k3.delta_attention import DecayParams
-from titan_kimi.models.kimi_k3.moe import GroupedExperts, Router
-from titan_kimi.models.kimi_k3.norms import FP32LayerNorm, GatedRMSNorm, RMSNorm
-from titan_kimi.models.kimi_k3.short_conv import ShortConv
 
 # Wrappers that insert a level into names: activation checkpointing and torch.compile.
 _WRAPPER_LEVELS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -40,10 +33,6 @@ class InitSpec:
         return self.kind != "constant"
 
 
-def _constant(value: float) -> InitSpec:
-    return InitSpec("constant", value=value)
-
-
 def canonical_name(fqn: str) -> str:
     for level in _WRAPPER_LEVELS:
         fqn = fqn.replace(level, "")
@@ -51,33 +40,54 @@ def canonical_name(fqn: str) -> str:
 
 
 def _module_rule(module: nn.Module, name: str, std: float) -> InitSpec | None:
-    """The spec of ``module``'s own parameter ``name``; None when no rule covers it."""
-    if isinstance(module, (RMSNorm, GatedRMSNorm)) and name == "weight":
-        return _constant(1.0)
-    if isinstance(module, FP32LayerNorm):  # reset_parameters: weight 1, bias 0
-        return {"weight": _constant(1.0), "bias": _constant(0.0)}.get(name)
-    if isinstance(module, ShortConv) and name == "weight":  # PyTorch's Conv1d default, U(+-1/sqrt(fan_in))
-        bound = 1.0 / math.sqrt(module.kernel_size)
-        return InitSpec("uniform", low=-bound, high=bound)
-    if isinstance(module, DecayParams):
-        return {"A_log": InitSpec("log_uniform", low=1.0, high=16.0), "dt_bias": _constant(0.0)}.get(name)
-    if isinstance(module, AttnResMix):
-        return {"norm_weight": _constant(1.0), "proj_weight": InitSpec("normal", std=std)}.get(name)
-    if isinstance(module, Router) and name == "e_score_correction_bias":
-        return _constant(0.0)
-    if isinstance(module, GroupedExperts) and name in ("w13", "w2"):
-        return InitSpec("normal", std=std)
-    if isinstance(module, nn.Linear) and name == "weight":
-        return InitSpec("normal", std=std)
-    return None
+    """The spec of ``module``'s own parameter ``name``: what the module declares, else N(0, ``std``) for the
+    weight of a plain ``nn.Linear``; None when neither covers it."""
+    declared = getattr(module, "parameter_init_specs", None)
+    spec = declared().get(name) if callable(declared) else None
+    if spec is None and isinstance(module, nn.Linear) and name == "weight":
+        spec = InitSpec("normal", std=std)
+    return spec
+
+
+def draw_(tensor: torch.Tensor, spec: InitSpec, generator: torch.Generator | None = None, row0: int = 0) -> None:
+    """Fill ``tensor`` (rows ``row0..`` of the parameter) from ``spec``, in place."""
+    with torch.no_grad():
+        if spec.kind == "constant":
+            tensor.fill_(spec.value)
+        elif spec.kind == "normal":
+            tensor.normal_(0.0, spec.std, generator=generator)
+        elif spec.kind == "trunc_normal":
+            nn.init.trunc_normal_(tensor, 0.0, spec.std, spec.low, spec.high, generator=generator)
+        elif spec.kind == "uniform":
+            tensor.uniform_(spec.low, spec.high, generator=generator)
+        elif spec.kind == "log_uniform":
+            tensor.uniform_(spec.low, spec.high, generator=generator).log_()
+        else:
+            raise ValueError(f"unknown init kind {spec.kind!r}; valid: constant, normal, trunc_normal, uniform, "
+                             f"log_uniform")
+        for row in spec.zero_rows:
+            if tensor.dim() and row0 <= row < row0 + tensor.shape[0]:
+                tensor[row - row0].zero_()
+
+
+def init_declared(module: nn.Module, specs: dict[str, InitSpec] | None = None) -> None:
+    """Draw ``specs`` (default: all that ``module`` declares, ``parameter_init_specs``) of ``module``'s
+    parameters from the global random stream, in order."""
+    for name, spec in (module.parameter_init_specs() if specs is None else specs).items():
+        draw_(module.get_parameter(name), spec)
+
+
+def init_linear(linear: nn.Linear, std: float) -> None:
+    """A plain ``nn.Linear``'s weight from the global random stream (its bias, if any, is the owner's)."""
+    draw_(linear.weight, _module_rule(linear, "weight", std))
 
 
 def init_specs(model: nn.Module) -> dict[str, InitSpec]:
     """``{canonical parameter name: InitSpec}`` for every parameter of a Kimi K3 model (whole, a pipeline stage,
-    or wrapped for parallelism); a ValueError names a parameter no rule covers.
+    or wrapped for parallelism); a ValueError names a parameter no module declares.
 
-    A module may describe its own parameters (and its children's) with ``parameter_init_specs() -> {relative
-    name: InitSpec}`` (the vision tower, the projector, LoRA adapters); those take precedence over the rules."""
+    A module's ``parameter_init_specs`` may name its children's parameters too (the model its embedding, the
+    vision tower and the projector all of theirs, a LoRA adapter its factors)."""
     args = model.args
     specs: dict[str, InitSpec] = {}
     unknown: list[str] = []
@@ -88,22 +98,14 @@ def init_specs(model: nn.Module) -> dict[str, InitSpec]:
             for rel, spec in own().items():
                 declared[canonical_name(f"{module_name}.{rel}" if module_name else rel)] = spec
     for module_name, module in model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
+        for name, _ in module.named_parameters(recurse=False):
             fqn = canonical_name(f"{module_name}.{name}" if module_name else name)
-            if fqn in declared:
-                spec = declared[fqn]
-            elif fqn == "tok_embeddings.weight":
-                spec = InitSpec("normal", std=args.init_std, zero_rows=(args.pad_token_id,))
-            elif fqn == "output.weight":  # the lm_head: truncated normal, std H^-1/2, cut at 3 std
-                std = 1.0 / math.sqrt(param.shape[1])
-                spec = InitSpec("trunc_normal", std=std, low=-3 * std, high=3 * std)
-            else:
-                spec = _module_rule(module, name, args.init_std)
+            spec = declared[fqn] if fqn in declared else _module_rule(module, name, args.init_std)
             if spec is None:
                 unknown.append(f"{fqn} ({type(module).__name__}.{name})")
             else:
                 specs[fqn] = spec
     if unknown:
-        raise ValueError(f"no initial distribution for {unknown}; add a rule to "
-                         f"titan_kimi/models/kimi_k3/init_specs.py matching the module's init_weights")
+        raise ValueError(f"no initial distribution for {unknown}; declare it in the module's "
+                         f"parameter_init_specs (titan_kimi/models/kimi_k3/init_specs.py)")
     return specs

@@ -14,7 +14,7 @@ from lowerings import ops
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.indexer import Indexer
 from titan_kimi.models.kimi_k3.indexer_distillation import distilled_attention
-from titan_kimi.models.kimi_k3.init import init_linear
+from titan_kimi.models.kimi_k3.init_specs import init_linear
 from titan_kimi.models.kimi_k3.norms import RMSNorm
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo
 from titan_kimi.models.kimi_k3.weights import linear_weight

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from lowerings import ops
-from titan_kimi.models.kimi_k3.init import init_linear
+from titan_kimi.models.kimi_k3.init_specs import init_linear
 
 
 class SituMLP(nn.Module):

@@ -9,6 +9,7 @@ from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.attn_res import AttnResMix
 from titan_kimi.models.kimi_k3.block import KimiK3Block
 from titan_kimi.models.kimi_k3.head import LMHead
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
 from titan_kimi.models.kimi_k3.norms import RMSNorm
 from titan_kimi.models.kimi_k3.sequence import SequenceInfo, SequenceSharding, build_sequence_info
 
@@ -43,9 +44,6 @@ class KimiK3Model(nn.Module):
             self.output = LMHead(args.dim, args.vocab_size)
         else:
             self.output_mix = self.norm = self.output = None
-        # K3.1: DSA layers attend densely when the indexer would select every causal key (``dsa_dense``);
-        # set from model.dsa_dense_shortcut.
-        self.dsa_dense_shortcut = True
 
     def forward(
         self,
@@ -145,18 +143,24 @@ class KimiK3Model(nn.Module):
         counts of padding tokens (a metric) can differ."""
         if max_causal_keys is not None and (not isinstance(max_causal_keys, int) or max_causal_keys < 0):
             raise ValueError(f"max_causal_keys = {max_causal_keys!r}: expected a Python int >= 0, or None (unknown)")
-        if not (self.dsa_dense_shortcut and self.args.has_indexer):
+        if not (self.args.dsa_dense_shortcut and self.args.has_indexer):
             return False
         row = seq.exchange.global_len if seq.exchange is not None else seq.seq_len
         keys = row if max_causal_keys is None else min(row, max_causal_keys)
         return keys <= self.args.index_topk
 
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        """The embedding (the first stage's): N(0, init_std), the padding row zero. Every other module declares its
+        own (``init_specs``)."""
+        if self.tok_embeddings is None:
+            return {}
+        return {"tok_embeddings.weight": InitSpec("normal", std=self.args.init_std,
+                                                  zero_rows=(self.args.pad_token_id,))}
+
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Spec §14: N(0, init_std) linears and embedding, unit norms, lm_head truncated normal H^-1/2."""
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.args.init_std)
-            self.tok_embeddings.weight[self.args.pad_token_id].zero_()
+        init_declared(self)
         for layer in self.layers.values():
             layer.init_weights()
         if self.is_last:

@@ -14,7 +14,7 @@ import torch.nn as nn
 from lowerings import ops
 from lowerings.autocast import matmul_dtype
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-from titan_kimi.models.kimi_k3.init import init_linear
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared, init_linear
 from titan_kimi.models.kimi_k3.mlp import SituMLP
 from titan_kimi.models.kimi_k3.norms import RMSNorm
 from titan_kimi.models.kimi_k3.weights import linear_weight
@@ -50,9 +50,12 @@ class Router(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.route_scale, indices
 
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return {"e_score_correction_bias": InitSpec("constant", value=0.0)}  # the gate: a plain nn.Linear
+
     def init_weights(self) -> None:
         init_linear(self.gate, self.init_std)
-        nn.init.zeros_(self.e_score_correction_bias)
+        init_declared(self)
 
 
 class GroupedExperts(nn.Module):
@@ -84,9 +87,11 @@ class GroupedExperts(nn.Module):
         h = ops.situ_glu(h, self.beta, self.beta_lin)
         return expert_matmul(h, w2.transpose(-2, -1), offsets)
 
-    def init_weights(self) -> None:
-        nn.init.normal_(self.w13, mean=0.0, std=self.init_std)
-        nn.init.normal_(self.w2, mean=0.0, std=self.init_std)
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return {"w13": InitSpec("normal", std=self.init_std), "w2": InitSpec("normal", std=self.init_std)}
+
+    def init_weights(self) -> None:  # this class's weights: an adapter subclass draws its factors on reset
+        init_declared(self, GroupedExperts.parameter_init_specs(self))
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

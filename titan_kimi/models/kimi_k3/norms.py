@@ -6,6 +6,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
+
+_ONES = {"weight": InitSpec("constant", value=1.0)}
+
 
 class RMSNorm(nn.Module):
     """Kimi RMSNorm: normalise in fp32, round to the input dtype, then multiply by the weight."""
@@ -20,8 +24,11 @@ class RMSNorm(nn.Module):
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return self.weight.to(x.dtype) * normed
 
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return _ONES
+
     def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
+        init_declared(self)
 
 
 class GatedRMSNorm(nn.Module):
@@ -39,8 +46,11 @@ class GatedRMSNorm(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
         return (normed * torch.sigmoid(gate.float())).to(x.dtype)
 
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
+        return _ONES
+
     def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
+        init_declared(self)
 
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -51,5 +61,8 @@ class FP32LayerNorm(nn.LayerNorm):
         bias = self.bias.float() if self.bias is not None else None
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
+    def parameter_init_specs(self) -> dict[str, InitSpec]:  # nn.LayerNorm's reset_parameters
+        return {"weight": InitSpec("constant", value=1.0), "bias": InitSpec("constant", value=0.0)}
+
     def init_weights(self) -> None:
-        self.reset_parameters()
+        init_declared(self)

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
+
 
 class ShortConv(nn.Module):
     """``y_t = SiLU(sum_i w[:, W-1-i] x_{t-i})`` over the current segment only; weight ``[C, 1, W]`` in fp32.
@@ -54,7 +56,10 @@ class ShortConv(nn.Module):
             y = y + past * w[:, -1 - shift]
         return F.silu(y).to(x.dtype).reshape(B, S, C)
 
-    def init_weights(self) -> None:
+    def parameter_init_specs(self) -> dict[str, InitSpec]:
         # PyTorch's Conv1d default: kaiming_uniform(a=sqrt(5)) == U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
         bound = 1.0 / math.sqrt(self.kernel_size)
-        nn.init.uniform_(self.weight, -bound, bound)
+        return {"weight": InitSpec("uniform", low=-bound, high=bound)}
+
+    def init_weights(self) -> None:
+        init_declared(self)

@@ -89,12 +89,10 @@ class RankSlice:
 
 
 def _build_part(cfg, args: KimiK3ModelArgs, tokenizer, layer_range, dtype: torch.dtype) -> KimiK3Model:
-    model = build_meta_model(
+    return build_meta_model(
         args, dtype, indexer_mode=cfg.indexer.mode, warmup_trains=cfg.indexer.warmup_trains, vision=vision_args_from_config(cfg, tokenizer),
         freeze_vision_tower=cfg.model.freeze_vision_tower,
         lora=LoRASettings.from_config(cfg.lora) if cfg.lora.enable else None, layer_range=layer_range)
-    model.dsa_dense_shortcut = cfg.model.dsa_dense_shortcut
-    return model
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
