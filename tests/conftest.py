@@ -40,20 +40,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def shipped_reference(tmp_path_factory):
-    """``shipped_reference(name)``: the loss curve of one reference run of the shipped k31_debug recipe
-    (tests/test_parallel.py REFERENCE_RUNS), launched once per session however many tests compare with it."""
-    from tests.test_parallel import REFERENCE_RUNS, SHIPPED_STEPS, train
+def layout_runs(tmp_path_factory):
+    """The trainer runs of tests/layout_runs.py RUNS (tests/train_runs.py TrainRuns), each launched once per
+    session with every run of its world size, however many tests compare with it."""
+    from tests.layout_runs import RUNS
+    from tests.train_runs import TrainRuns
 
-    curves: dict[str, list[float]] = {}
-
-    def get(name: str) -> list[float]:
-        if name not in curves:
-            nproc, overrides = REFERENCE_RUNS[name]
-            curves[name] = train(tmp_path_factory.mktemp(name), *SHIPPED_STEPS, *overrides, nproc=nproc)
-        return curves[name]
-
-    return get
+    return TrainRuns(tmp_path_factory.mktemp("layout_runs"), RUNS)
 
 
 def pretend_selected(monkeypatch, op: str, name: str) -> None:

@@ -7,7 +7,6 @@ follow one process within 2% at each of 8 steps and 0.5% at step 1 (test_paralle
 """
 
 import re
-import shutil
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from lowerings.ops.sequence_shards import chunk_slots, local_positions, rank_chunks
 from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
 from titan_kimi.parallel.context_parallel import ContextParallel
-from tests.test_parallel import SHIPPED_STEPS, close, launch, train
+from tests.test_parallel import close, launch
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -138,32 +137,20 @@ def test_training_step_under_cp_composed_with_fsdp_pp_ep_matches_one_process():
 
 
 @pytest.mark.slow
-def test_shipped_recipe_trains_under_cp_like_one_process(tmp_path, shipped_reference):
+def test_shipped_recipe_trains_under_cp_like_one_process(layout_runs):
     """As a user types it (mixed precision on, zigzag by default), 8 steps, global batch 8: the CP ranks share the
-    FSDP mesh, so the reference of the same precision policy is FSDP over 2 ranks (tests/test_parallel.py)."""
-    cp2 = ["--parallelism.context_parallel_degree", "2"]
-    reference = shipped_reference("fsdp2")
-    close(train(tmp_path / "cp2", *SHIPPED_STEPS, *cp2, nproc=2), reference)
-    close(train(tmp_path / "cp2_ep2", *SHIPPED_STEPS, *cp2, "--parallelism.expert_parallel_degree", "2", nproc=2),
-          reference)
-    close(train(tmp_path / "cp2_pp2", *SHIPPED_STEPS, *cp2, "--parallelism.pipeline_parallel_degree", "2", nproc=4),
-          reference)
+    FSDP mesh, so the reference of the same precision policy is FSDP over 2 ranks (tests/test_parallel.py).
+    CP2, CP2 x EP2 and CP2 x PP2 (tests/layout_runs.py RUNS)."""
+    for name in ("cp2", "cp2_ep2", "cp2_pp2"):
+        close(layout_runs.losses(name), layout_runs.losses("fsdp2"))
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_under_cp_resumes_at_one_process_and_in_the_other_layout(tmp_path):
-    common = ["--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "4",
-              "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "2", "--metrics.log_freq", "100"]
-    full = train(tmp_path / "cp2", *common, "--parallelism.context_parallel_degree", "2", nproc=2)
-    saved = tmp_path / "cp2" / "checkpoint" / "step-2"
-    assert (saved / ".metadata").is_file()
-    for name, nproc, overrides in (("single", 0, []),
-                                   ("cp2_contiguous", 2, ["--parallelism.context_parallel_degree", "2",
-                                                          "--parallelism.context_parallel_layout", "contiguous"])):
-        shutil.copytree(saved, tmp_path / name / "checkpoint" / "step-2")
-        resumed = train(tmp_path / name, *common, *overrides, nproc=nproc)
+def test_checkpoint_saved_under_cp_resumes_at_one_process_and_in_the_other_layout(layout_runs):
+    full = layout_runs.losses("saved_cp2")
+    assert (layout_runs.folder("saved_cp2") / "checkpoint" / "step-2" / ".metadata").is_file()
+    for name in ("cp2_to_single", "cp2_to_contiguous"):
+        resumed = layout_runs.losses(name)
         assert len(resumed) == 2, resumed  # steps 3 and 4
         for a, b in zip(resumed, full[2:]):
             assert a == pytest.approx(b, rel=1e-4), (name, resumed, full)
-

@@ -8,10 +8,8 @@ precision policy: FSDP layouts with FSDP over 2 ranks (bf16 copies of every para
 Between the two policies the curves differ by up to ~2% after 8 steps, which is why they are not mixed.
 """
 
-import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,12 +31,6 @@ def launch(args: list[str], nproc: int = 0, timeout: int = 900) -> str:
     result = subprocess.run([*head, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result.stdout
-
-
-def train(folder: Path, *overrides: str, nproc: int = 0) -> list[float]:
-    launch(["-m", "titan_kimi.train", *RECIPE, "--job.dump_folder", str(folder), *overrides], nproc)
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
 
 
 @pytest.mark.slow
@@ -76,49 +68,22 @@ def close(curve: list[float], reference: list[float]) -> None:
         assert abs(a - b) <= 2e-2 * b, (curve, reference)
 
 
-# 8 steps of the shipped recipe, global batch 8: the references of tests/conftest.py's shipped_reference.
-SHIPPED_STEPS = ["--training.steps", "8", "--metrics.log_freq", "100"]
-REFERENCE_RUNS = {
-    "one_process": (0, []),
-    "one_process_pp_flavor": (0, ["--model.flavor", "k31_debug_pp"]),
-    "fsdp2": (2, ["--training.local_batch_size", "4"]),
-}
+@pytest.mark.slow
+def test_shipped_recipe_trains_under_every_layout_like_one_process(layout_runs):
+    """As users type it (mixed precision on), 8 steps, global batch 8 (tests/layout_runs.py RUNS)."""
+    assert layout_runs.losses("one_process")[-1] < 0.75 * layout_runs.losses("one_process")[0]
+    references = {"ep2": "fsdp2", "pp2": "one_process", "pp2_interleaved": "one_process_pp_flavor",
+                  "pp2_zbv": "one_process_pp_flavor", "pp2_ep2_fsdp2": "fsdp2"}
+    for name, reference in references.items():
+        close(layout_runs.losses(name), layout_runs.losses(reference))
 
 
 @pytest.mark.slow
-def test_shipped_recipe_trains_under_every_layout_like_one_process(tmp_path, shipped_reference):
-    """As users type it (mixed precision on), 8 steps, global batch 8."""
-    assert shipped_reference("one_process")[-1] < 0.75 * shipped_reference("one_process")[0]
-    runs = {
-        "ep2": (2, "fsdp2", ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]),
-        "pp2": (2, "one_process", ["--parallelism.pipeline_parallel_degree", "2"]),
-        "pp2_interleaved": (2, "one_process_pp_flavor", [
-            "--model.flavor", "k31_debug_pp", "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
-        "pp2_zbv": (2, "one_process_pp_flavor", [
-            "--model.flavor", "k31_debug_pp", "--parallelism.pipeline_parallel_degree", "2",
-            "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
-        "pp2_ep2_fsdp2": (4, "fsdp2", ["--parallelism.pipeline_parallel_degree", "2",
-                                       "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]),
-    }
-    for name, (nproc, reference, overrides) in runs.items():
-        close(train(tmp_path / name, *SHIPPED_STEPS, *overrides, nproc=nproc), shipped_reference(reference))
-
-
-@pytest.mark.slow
-def test_checkpoint_saved_at_pp2_ep2_resumes_at_one_process_and_at_ep2(tmp_path):
-    common = ["--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "4",
-              "--training.seq_len", "64", "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "true",
-              "--checkpoint.interval", "2", "--metrics.log_freq", "100"]
-    full = train(tmp_path / "pp2_ep2", *common, "--parallelism.pipeline_parallel_degree", "2",
-                 "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4", nproc=4)
-    saved = tmp_path / "pp2_ep2" / "checkpoint" / "step-2"
-    assert (saved / ".metadata").is_file()
-    for name, nproc, overrides in (("single", 0, ["--training.local_batch_size", "8"]),
-                                   ("ep2", 2, ["--parallelism.expert_parallel_degree", "2",
-                                               "--training.local_batch_size", "4"])):
-        shutil.copytree(saved, tmp_path / name / "checkpoint" / "step-2")
-        resumed = train(tmp_path / name, *common, *overrides, nproc=nproc)
+def test_checkpoint_saved_at_pp2_ep2_resumes_at_one_process_and_at_ep2(layout_runs):
+    full = layout_runs.losses("saved_pp2_ep2")
+    assert (layout_runs.folder("saved_pp2_ep2") / "checkpoint" / "step-2" / ".metadata").is_file()
+    for name in ("pp2_ep2_to_single", "pp2_ep2_to_ep2"):
+        resumed = layout_runs.losses(name)
         assert len(resumed) == 2, resumed  # steps 3 and 4
         for a, b in zip(resumed, full[2:]):
             assert a == pytest.approx(b, rel=1e-4), (name, resumed, full)
