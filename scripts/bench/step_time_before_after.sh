@@ -30,7 +30,7 @@ for recipe in $RECIPES; do
     rm -rf "$run" && mkdir -p "$run"
     echo "== $recipe, $side ($tree)" >&2
     # shellcheck disable=SC2086  # EXTRA is a list of arguments
-    (cd "$tree" && PYTHONPATH="$tree" "$PY" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" \
+    (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m torch.distributed.run --standalone --nproc-per-node="$NPROC" \
       -m titan_kimi.train --job.config_file "train_configs/$recipe.toml" --training.steps "$STEPS" \
       --metrics.log_freq 1 --job.dump_folder "$run/dump" $EXTRA) >"$run/log.txt" 2>&1 ||
       { tail -n 30 "$run/log.txt" >&2; echo "the $side run of $recipe failed: $run/log.txt" >&2; exit 1; }
