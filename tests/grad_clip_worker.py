@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from titan_kimi.training.grad_clip import clip_gradients
+from titan_kimi.training.optim.grad_clip import clip_gradients
 
 SHAPES = [(8, 5), (6,), (3, 4), (5, 2)]  # (6,) and (5, 2) do not split evenly over 2 ranks
 

@@ -30,9 +30,9 @@ from titan_kimi.lora import is_adapter_parameter, merged_tensors, save_adapters
 from titan_kimi.parallel.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.train import Trainer
-from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.setup.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
-from titan_kimi.training.seeded_init import init_weights_seeded
+from titan_kimi.training.setup.seeded_init import init_weights_seeded
 
 from test_checkpoint_hf_stages import assert_same_checkpoint, fill_adapters, logits_with_an_image
 

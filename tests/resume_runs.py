@@ -25,8 +25,8 @@ from titan_kimi.config import load_job_config
 from titan_kimi.parallel.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.train import Trainer
-from titan_kimi.training.build import model_args_from_config
-from titan_kimi.training.exit_codes import RunStopped
+from titan_kimi.training.setup.build import model_args_from_config
+from titan_kimi.training.process.exit_codes import RunStopped
 
 STEPS = 2  # a resume at step 1: the first step after it updates the weights, which the end state then holds
 # The shipped recipe at its smallest: 2 x 32 tokens per step. warmup 1 of a cosine schedule: a run cut at step 1

@@ -170,8 +170,8 @@ def test_an_image_text_training_checkpoint_keeps_its_tower_through_dcp_hf_dcp(tm
     from test_checkpoint_hf_stages import assert_same_checkpoint
     from titan_kimi.checkpoint import export_hf_checkpoint
     from titan_kimi.config import load_job_config
-    from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
-    from titan_kimi.training.seeded_init import init_weights_seeded
+    from titan_kimi.training.setup.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+    from titan_kimi.training.setup.seeded_init import init_weights_seeded
 
     cfg = load_job_config(["--job.config_file", "train_configs/k31_medpix_debug.toml"], environ={})
     args = model_args_from_config(cfg)

@@ -217,7 +217,7 @@ def test_fp32_moments_of_bf16_parameters_resume_exactly(tmp_path):
     round them to bf16, the manager keeps the saved dtype."""
     from titan_kimi.config.sections import Optimizer
     from titan_kimi.models.kimi_k3.init import cast_model_dtype
-    from titan_kimi.training.optimizer import build_optimizer
+    from titan_kimi.training.optim.optimizer import build_optimizer
 
     def make(seed):
         torch.manual_seed(seed)
@@ -254,7 +254,7 @@ def test_a_resume_takes_the_state_from_the_checkpoint_and_the_hyperparameters_fr
     """Moments and step counts come back; lr, betas, weight decay stay those the resuming run built (the trainer's
     schedule then sets the lr), also when another optimizer class saved the state (titan_kimi's Adam with bf16
     moments, resumed by torch's AdamW with fp32 moments: the moments take the new dtype)."""
-    from titan_kimi.training.adam_multi_tensor import MultiTensorAdam
+    from titan_kimi.training.optim.adam_multi_tensor import MultiTensorAdam
 
     torch.manual_seed(0)
     saved_model = torch.nn.Linear(4, 4)

@@ -268,7 +268,7 @@ def test_damage_inside_a_data_file_names_the_step(tmp_path):
 def test_the_trainer_exits_2_on_a_truncated_checkpoint_and_changes_nothing(tmp_path, capsys):
     from resume_runs import build
     from titan_kimi import train
-    from titan_kimi.training.exit_codes import EXIT_BAD_INPUT, run_cli
+    from titan_kimi.training.process.exit_codes import EXIT_BAD_INPUT, run_cli
 
     argv = ["--job.config_file", "train_configs/k31_debug.toml", "--training.seq_len", "32",
             "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--training.steps", "3",

@@ -19,8 +19,8 @@ from titan_kimi.config import load_job_config
 from titan_kimi.lora import merged_tensors
 from titan_kimi.lora.modules import is_adapter_parameter
 from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
-from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
-from titan_kimi.training.seeded_init import init_weights_seeded, parameter_seed
+from titan_kimi.training.setup.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.setup.seeded_init import init_weights_seeded, parameter_seed
 
 SEED = 11
 

@@ -10,7 +10,7 @@ import pytest
 
 from titan_kimi import train
 from titan_kimi.config import ConfigError
-from titan_kimi.training.exit_codes import EXIT_BAD_INPUT, RunStopped, is_bad_input, run_cli
+from titan_kimi.training.process.exit_codes import EXIT_BAD_INPUT, RunStopped, is_bad_input, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_kimi.training.compile_cache import use_compile_cache_dir
+from titan_kimi.compile.cache_dir import use_compile_cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from titan_kimi.models.kimi_k3 import model_args_for
-from titan_kimi.training.compile_prewarm import input_dtype, prewarm_kinds, unsupported
+from titan_kimi.compile.module_prewarm import input_dtype, prewarm_kinds, unsupported
 
 ROOT = Path(__file__).resolve().parents[1]
 F32, BF16 = torch.float32, torch.bfloat16
@@ -77,8 +77,8 @@ def test_the_first_step_loads_every_graph_the_processes_compiled(tmp_path):
 def test_wait_logs_each_outcome(caplog):
     import logging
 
-    from titan_kimi.training.compile_prewarm import RESULT_PREFIX, ModulePrewarm
-    from titan_kimi.training.helper_process import HelperProcess
+    from titan_kimi.compile.module_prewarm import RESULT_PREFIX, ModulePrewarm
+    from titan_kimi.training.process.helper_process import HelperProcess
 
     prewarm = ModulePrewarm()
     done = f"print({RESULT_PREFIX!r} + 'layer 0 attention compiled in 1.0 s'); print('I torch log')"

@@ -159,7 +159,7 @@ def test_shortcut_under_context_parallelism_decides_from_the_whole_rows(one_rank
 @pytest.mark.parametrize("value", ["true", "false"])
 def test_config_knob_reaches_every_built_model(value):
     from titan_kimi.config import load_job_config
-    from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+    from titan_kimi.training.setup.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 
     cfg = load_job_config(["--model.flavor", "k31_debug", "--model.dsa_dense_shortcut", value], environ={})
     args = model_args_from_config(cfg)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_kimi.training.grad_clip import clip_gradients
+from titan_kimi.training.optim.grad_clip import clip_gradients
 
 SHAPES = [(7, 5), (33,), (4, 3, 2), (64, 16), (3,)]
 

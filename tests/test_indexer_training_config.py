@@ -6,7 +6,7 @@ import pytest
 from titan_kimi.config import ConfigError, load_job_config
 from titan_kimi.lora import is_adapter_parameter
 from titan_kimi.models.kimi_k3 import model_args_for
-from titan_kimi.training.build import build_model_from_config, model_args_from_config, tokenizer_from_config
+from titan_kimi.training.setup.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 
 
 def load(*argv: str):

@@ -48,8 +48,8 @@ def test_availability_says_why_on_cpu(monkeypatch):
 @no_cuda
 def test_config_rejects_cudnn_on_cpu():
     from titan_kimi.config import load_job_config
-    from titan_kimi.training.kernels import configure_kernels
-    from titan_kimi.training.build import model_args_from_config
+    from titan_kimi.training.setup.kernels import configure_kernels
+    from titan_kimi.training.setup.build import model_args_from_config
 
     before = selected_backend("kda")
     cfg = load_job_config(["--kernels.kda", "cudnn"], environ={})

@@ -13,9 +13,9 @@ import torch
 
 from lowerings.kernels import fla_prewarm
 from titan_kimi.models.kimi_k3 import model_args_for
-from titan_kimi.training import kernel_prewarm
-from titan_kimi.training.helper_process import HelperProcess
-from titan_kimi.training.kernel_prewarm import FlaPrewarm, prewarm_command
+from titan_kimi.compile import kernel_prewarm
+from titan_kimi.training.process.helper_process import HelperProcess
+from titan_kimi.compile.kernel_prewarm import FlaPrewarm, prewarm_command
 
 RECIPE = Path(__file__).resolve().parents[1] / "train_configs" / "k3_small.toml"
 

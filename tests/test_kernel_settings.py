@@ -14,8 +14,8 @@ from lowerings.settings import KernelSettings, configure_kernel_settings, kernel
 from titan_kimi.config import ConfigError, load_job_config, to_toml
 from titan_kimi.config.options import describe_config
 from titan_kimi.config.sections import TRAINER_KERNEL_KEYS, JobConfig
-from titan_kimi.training.build import model_args_from_config
-from titan_kimi.training.kernels import configure_kernels
+from titan_kimi.training.setup.build import model_args_from_config
+from titan_kimi.training.setup.kernels import configure_kernels
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_the_replaced_environment_variables_are_refused(monkeypatch):
 
 
 def test_backend_libraries_are_imported_for_the_chosen_backends_only(monkeypatch):
-    from titan_kimi.training import kernels
+    from titan_kimi.training.setup import kernels
 
     monkeypatch.setattr(kernels, "_BACKEND_MODULES", {("kda", "fla"): (("json", "csv"), (), ()),
                                                       ("linear_cross_entropy", "liger"): (("no_such_module",), (), ())})

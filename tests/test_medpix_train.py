@@ -43,7 +43,7 @@ def test_medpix_debug_recipe_trains_with_falling_loss(tmp_path, lora):
         from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer
         from titan_kimi.lora import load_adapters, reset_adapters
         from titan_kimi.models.kimi_k3 import model_args_for
-        from titan_kimi.training.build import build_model_from_config
+        from titan_kimi.training.setup.build import build_model_from_config
 
         config = json.loads((adapters / "adapter_config.json").read_text())
         assert config["peft_type"] == "LORA" and config["r"] == 8
@@ -164,8 +164,8 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
     from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer
     from titan_kimi.lora import load_adapters, merged_tensors
     from titan_kimi.models.kimi_k3 import model_args_for
-    from titan_kimi.training.build import build_model_from_config
-    from titan_kimi.training.seeded_init import init_weights_seeded
+    from titan_kimi.training.setup.build import build_model_from_config
+    from titan_kimi.training.setup.seeded_init import init_weights_seeded
 
     cfg = load_job_config(common, environ={})
     exported = {}

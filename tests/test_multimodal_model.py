@@ -188,10 +188,10 @@ def test_lora_on_the_tower_only_on_request():
 
 
 def test_seeded_init_of_the_image_text_model_with_adapters_matches_init_weights():
-    """The layout-independent initialiser (training/seeded_init.py) draws the tower, projector and LoRA factors
+    """The layout-independent initialiser (training/setup/seeded_init.py) draws the tower, projector and LoRA factors
     from the distributions their init_weights / reset_lora_parameters use."""
     from titan_kimi.models.kimi_k3.init_specs import init_specs
-    from titan_kimi.training.seeded_init import init_weights_seeded
+    from titan_kimi.training.setup.seeded_init import init_weights_seeded
 
     targets = ("attention", "experts", "lm_head", "vision_tower", "projector")
     reference = build()

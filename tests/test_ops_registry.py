@@ -75,7 +75,7 @@ def test_ops_the_model_never_calls_skip_their_availability_checks(monkeypatch):
 
 def test_the_text_model_does_not_use_the_indexer_ops():
     from titan_kimi.models.kimi_k3.flavors import model_args_for
-    from titan_kimi.training.kernels import unused_ops
+    from titan_kimi.training.setup.kernels import unused_ops
 
     assert unused_ops(model_args_for("k3_small")) == {"indexer_topk", "sparse_mla", "indexer_distillation"}
     assert unused_ops(model_args_for("k31_small")) == {"indexer_distillation"}

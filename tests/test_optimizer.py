@@ -8,9 +8,9 @@ from titan_kimi.config.sections import Optimizer
 from titan_kimi.models.kimi_k3.flavors import model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype, fp32_parameter_names
 from titan_kimi.models.kimi_k3.model import KimiK3Model
-from titan_kimi.training.adam_multi_tensor import MultiTensorAdam
-from titan_kimi.training.adam_reference import AdamWithStateDtype
-from titan_kimi.training.optimizer import build_optimizer
+from titan_kimi.training.optim.adam_multi_tensor import MultiTensorAdam
+from titan_kimi.training.optim.adam_reference import AdamWithStateDtype
+from titan_kimi.training.optim.optimizer import build_optimizer
 
 SHAPES = [(7, 5), (33,), (4, 3, 2), (1,), (64, 16)]
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

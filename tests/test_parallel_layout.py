@@ -97,7 +97,7 @@ def test_lr_schedule_state_resumes_into_another_grouping_of_parameters():
     groups the resumed layout's optimizers have."""
     import torch
 
-    from titan_kimi.training.optimizer import SchedulerParts, lr_lambda
+    from titan_kimi.training.optim.optimizer import SchedulerParts, lr_lambda
 
     def parts(groups):
         opts = [torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(2))]} for _ in range(groups)], lr=0.1)]

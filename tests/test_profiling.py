@@ -7,7 +7,7 @@ import json
 import pytest
 
 from titan_kimi.config import ConfigError, load_job_config
-from titan_kimi.training.profile_summary import STEP_ANNOTATION, is_communication, summarize_trace, union_length
+from titan_kimi.training.reports.profile_summary import STEP_ANNOTATION, is_communication, summarize_trace, union_length
 
 NO_LAUNCHER: dict[str, str] = {}
 

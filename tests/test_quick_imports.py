@@ -102,7 +102,7 @@ def test_fla_kda_imports_without_fla_ops_init():
     pytest.importorskip("fla")
     out = run("""
         import sys
-        from titan_kimi.training.kernels import import_backend_libraries
+        from titan_kimi.training.setup.kernels import import_backend_libraries
         names = import_backend_libraries({"kda": "fla"})
         print(len(names), "fla.ops.abc" in sys.modules, "fla.ops.kda.chunk_fwd" in sys.modules)
         from fla.ops import chunk_abc

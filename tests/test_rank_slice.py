@@ -91,7 +91,7 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     from titan_kimi.config import load_job_config
     from titan_kimi.parallel.layout import resolve_layout
     from titan_kimi.parallel.step_time.describe import describe_step_time
-    from titan_kimi.training.build import model_args_from_config
+    from titan_kimi.training.setup.build import model_args_from_config
 
     cfg = load_job_config(["--job.config_file", "train_configs/k31.toml", "--job.world_size", "4",
                            "--job.dry_run", "--job.estimate_step_time", *TINY_SLICE[TINY_SLICE.index("--model.flavor"):
@@ -99,7 +99,7 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
                            "--step_time.table", str(out / "step_time_h200.json"), "--step_time.rows", "medpix:4:28x28"])
     args = model_args_from_config(cfg)
     layout = resolve_layout(cfg, 4, args)
-    from titan_kimi.training.build import tokenizer_from_config, vision_args_from_config
+    from titan_kimi.training.setup.build import tokenizer_from_config, vision_args_from_config
 
     vision = vision_args_from_config(cfg, tokenizer_from_config(cfg, args))
     lines = describe_step_time(cfg, args, layout, vision)

@@ -17,7 +17,7 @@ from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
 from titan_kimi.models.kimi_k3.delta_attention import DecayParams
 from titan_kimi.models.kimi_k3.init_specs import _module_rule, init_specs
 from titan_kimi.models.kimi_k3.short_conv import ShortConv
-from titan_kimi.training.seeded_init import _draw, init_weights_seeded, parameter_seed, rows_per_block
+from titan_kimi.training.setup.seeded_init import _draw, init_weights_seeded, parameter_seed, rows_per_block
 
 WORLD = 2
 # Odd sizes (vocab 2047, 7 experts) so that FSDP2's shards are uneven, and blocks of a few rows (BLOCK_VALUES is
@@ -39,7 +39,7 @@ def seeded(seed: int = 7, **kw) -> KimiK3Model:
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    monkeypatch.setattr("titan_kimi.training.seeded_init.BLOCK_VALUES", 300)
+    monkeypatch.setattr("titan_kimi.training.setup.seeded_init.BLOCK_VALUES", 300)
 
 
 def test_seeds_are_stable_and_blocks_depend_on_the_global_shape_only():
@@ -131,7 +131,7 @@ def _full(model):
 
 
 def _worker(rank: int, store: str, want: dict) -> None:
-    import titan_kimi.training.seeded_init as si
+    import titan_kimi.training.setup.seeded_init as si
 
     si.BLOCK_VALUES = 300  # the same small blocks as the single-process reference
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)

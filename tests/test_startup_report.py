@@ -3,7 +3,7 @@
 import re
 import time
 
-from titan_kimi.training.startup_report import StartupClock
+from titan_kimi.training.reports.startup import StartupClock
 
 
 def test_phases_are_named_in_order_and_add_up():

@@ -11,8 +11,8 @@ from titan_kimi import train
 from titan_kimi.config import load_job_config
 from titan_kimi.parallel.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
-from titan_kimi.training.build import model_args_from_config
-from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
+from titan_kimi.training.setup.build import model_args_from_config
+from titan_kimi.training.optim.grad_clip import NonFiniteGradientError, clip_gradients
 
 TINY = ["--model.flavor", "k31_debug", "--model.dtype", "float32", "--training.seq_len", "32",
         "--training.mixed_precision", "false", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "0",
@@ -169,8 +169,8 @@ def test_deterministic_runs_repeat_exactly(tmp_path, capsys):
 
 def test_torch_adam_is_never_silently_replaced():
     from titan_kimi.config.sections import Optimizer
-    from titan_kimi.training.adam_multi_tensor import MultiTensorAdam
-    from titan_kimi.training.optimizer import build_optimizer
+    from titan_kimi.training.optim.adam_multi_tensor import MultiTensorAdam
+    from titan_kimi.training.optim.optimizer import build_optimizer
 
     bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"optimizer.implementation = 'fused': torch's Adam keeps the moments in the "

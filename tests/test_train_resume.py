@@ -8,7 +8,7 @@ from titan_kimi import train
 from titan_kimi.config import load_job_config
 from titan_kimi.parallel.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
-from titan_kimi.training.build import model_args_from_config
+from titan_kimi.training.setup.build import model_args_from_config
 
 
 def trainer(folder, *extra):

@@ -16,7 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
-from titan_kimi.training.kernel_prewarm import FlaPrewarm
+from titan_kimi.compile.kernel_prewarm import FlaPrewarm
 
 # Run as `python -m titan_kimi.train`, FLA's prewarm processes start here, before torch's import (13-15 s on a GPU
 # node), and wait for the shape that main() sends: they have FLA's kernels compiled by the first step.
@@ -43,26 +43,26 @@ from titan_kimi.parallel.fsdp import ReplicatedGradients
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
-from titan_kimi.training.compile_cache import use_compile_cache_dir
-from titan_kimi.training.compile_report import CompileReport
-from titan_kimi.training.startup_report import StartupClock
-from titan_kimi.training.compile_prewarm import ModulePrewarm
-from titan_kimi.training.compile_prewarm import unsupported as prewarm_unsupported
-from titan_kimi.training.build import (build_model_from_config, dataloader_from_config, model_args_from_config,
-                                      tokenizer_from_config, vision_args_from_config)
-from titan_kimi.training.exit_codes import run_cli
-from titan_kimi.training.indexer_metrics import IndexerMetrics
-from titan_kimi.training.indexer_training import indexer_step_inputs
-from titan_kimi.training.kernels import configure_kernels, import_backend_libraries
-from titan_kimi.training.kernels import describe as describe_kernels
+from titan_kimi.compile.cache_dir import use_compile_cache_dir
+from titan_kimi.compile.report import CompileReport
+from titan_kimi.training.reports.startup import StartupClock
+from titan_kimi.compile.module_prewarm import ModulePrewarm
+from titan_kimi.compile.module_prewarm import unsupported as prewarm_unsupported
+from titan_kimi.training.setup.build import (build_model_from_config, dataloader_from_config, model_args_from_config,
+                                             tokenizer_from_config, vision_args_from_config)
+from titan_kimi.training.process.exit_codes import run_cli
+from titan_kimi.training.reports.indexer_metrics import IndexerMetrics
+from titan_kimi.training.setup.indexer_training import indexer_step_inputs
+from titan_kimi.training.setup.kernels import configure_kernels, import_backend_libraries
+from titan_kimi.training.setup.kernels import describe as describe_kernels
 from titan_kimi.training.loss import LinearCrossEntropyLoss
-from titan_kimi.training.grad_clip import NonFiniteGradientError, clip_gradients
-from titan_kimi.training.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
-from titan_kimi.training.optimizer import OptimizerParts, SchedulerParts, build_lr_scheduler, build_optimizer
-from titan_kimi.training.profiling import StepProfiler, gather_profiles
-from titan_kimi.training.router_load import RouterLoad, load_of
-from titan_kimi.training.seeded_init import init_weights_seeded
-from titan_kimi.training.shutdown import StopRequest, stop_run
+from titan_kimi.training.optim.grad_clip import NonFiniteGradientError, clip_gradients
+from titan_kimi.training.reports.metrics import MetricsLogger, StepMetrics, peak_memory_gib, setup_logging
+from titan_kimi.training.optim.optimizer import OptimizerParts, SchedulerParts, build_lr_scheduler, build_optimizer
+from titan_kimi.training.reports.profiling import StepProfiler, gather_profiles
+from titan_kimi.training.reports.router_load import RouterLoad, load_of
+from titan_kimi.training.setup.seeded_init import init_weights_seeded
+from titan_kimi.training.process.shutdown import StopRequest, stop_run
 
 logger = logging.getLogger("titan_kimi")
 
@@ -175,7 +175,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _build_model_parts(self):
         """This rank's model parts (the whole model, or its pipeline stages): built on the meta device,
-        parallelised, then materialised and initialised with the seeded init (training/seeded_init.py), which
+        parallelised, then materialised and initialised with the seeded init (training/setup/seeded_init.py), which
         gives every parameter the values it has in one process, whatever the layout."""
         cfg, layout = self.cfg, self.layout
         plan = layout.pipeline

@@ -14,7 +14,7 @@ from lowerings.settings import kernel_settings
 
 CHUNK = 64
 # The FLA modules the op calls, and the packages whose __init__ (every op family FLA ships) may wait: imported
-# ahead by lowerings/kernels/quick_imports.py (titan_kimi.training.kernels, the prewarm).
+# ahead by lowerings/kernels/quick_imports.py (titan_kimi.training.setup.kernels, the prewarm).
 FLA_MODULES = ("fla.modules.norm.l2norm", "fla.ops.kda.chunk_fwd", "fla.ops.kda.chunk_bwd", "fla.ops.utils.index")
 FLA_DEFERRED_PACKAGES = ("fla.ops", "fla.modules")
 _fla_configs: str | None = None

@@ -18,7 +18,7 @@ import sys
 from titan_kimi.config import load_job_config
 from titan_kimi.parallel.estimate import describe_ranks
 from titan_kimi.parallel.layout import resolve_layout
-from titan_kimi.training.build import model_args_from_config
+from titan_kimi.training.setup.build import model_args_from_config
 
 
 def main() -> int:

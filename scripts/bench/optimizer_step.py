@@ -24,9 +24,9 @@ from titan_kimi.config.sections import Optimizer
 from titan_kimi.models.kimi_k3 import model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype, fp32_parameter_names
 from titan_kimi.models.kimi_k3.model import KimiK3Model
-from titan_kimi.training.adam_reference import AdamWithStateDtype
-from titan_kimi.training.grad_clip import clip_gradients
-from titan_kimi.training.optimizer import build_optimizer
+from titan_kimi.training.optim.adam_reference import AdamWithStateDtype
+from titan_kimi.training.optim.grad_clip import clip_gradients
+from titan_kimi.training.optim.optimizer import build_optimizer
 
 SETTINGS = [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("bfloat16", "float32")]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

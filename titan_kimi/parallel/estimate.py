@@ -16,7 +16,7 @@ from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.parallel.fsdp import reshard_after_forward
 from titan_kimi.parallel.layout import ParallelLayout
 from titan_kimi.parallel.stage_params import RankBytes, count_stage_params, rank_bytes
-from titan_kimi.training.build import build_meta_model
+from titan_kimi.training.setup.build import build_meta_model
 
 def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range) -> tuple[int, RankBytes]:
     """(parameters on one rank, bytes one rank holds for them) for one stage."""

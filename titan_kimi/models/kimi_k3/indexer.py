@@ -35,7 +35,7 @@ class Indexer(nn.Module):
         # Frozen unless it trains by distillation: hard top-k gives the LM loss no gradient (spec §16b).
         self.requires_grad_(args.indexer_trains)
         # [KL sum, queries, recall sum, queries with more causal keys than top-k] of the distillation since the
-        # trainer last read them (titan_kimi.training.indexer_metrics). Not persistent: not a weight.
+        # trainer last read them (titan_kimi.training.reports.indexer_metrics). Not persistent: not a weight.
         self.register_buffer("distillation_stats", torch.zeros(4, dtype=torch.float32), persistent=False)
 
     def project(self, x: torch.Tensor, q_latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 initialisation. Each module declares its own parameters' distributions (``parameter_init_specs() -> {relative
 name: InitSpec}``; a plain ``nn.Linear`` has N(0, init_std)). Two initialisers draw from it: the modules'
 ``init_weights`` (``init_declared``, one global random stream, in declaration order) and
-titan_kimi/training/seeded_init.py (each parameter from its own seed, whatever the parallel layout).
+titan_kimi/training/setup/seeded_init.py (each parameter from its own seed, whatever the parallel layout).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from titan_kimi.parallel.rank_slice.report import markdown_report
 from titan_kimi.parallel.step_time.describe import settings_from_config
 from titan_kimi.parallel.step_time.estimate import StepTimeModel
 from titan_kimi.parallel.step_time.table import Table, ac_share, geometry_key, merge_entries
-from titan_kimi.training.build import model_args_from_config, tokenizer_from_config, vision_args_from_config
-from titan_kimi.training.kernels import configure_kernels
+from titan_kimi.training.setup.build import model_args_from_config, tokenizer_from_config, vision_args_from_config
+from titan_kimi.training.setup.kernels import configure_kernels
 
 PACKAGES = ("torch", "triton", "fla-core", "nvidia-cudnn-frontend", "torchtitan")
 

@@ -26,7 +26,7 @@ from titan_kimi.parallel.pipeline import PipelineStageModule
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
 from titan_kimi.parallel.rank_slice.local_experts import LocalDispatch, localize_experts
 from titan_kimi.parallel.stage_params import RankBytes, count_stage_params, rank_bytes
-from titan_kimi.training.build import build_meta_model, vision_args_from_config
+from titan_kimi.training.setup.build import build_meta_model, vision_args_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 
 

@@ -217,7 +217,7 @@ def measure_optimizer(block: torch.nn.Module, optimizer_cfg, *, warmup: int, rep
                       device: torch.device) -> Entry:
     """One optimizer step over a block's trainable parameters (gradients set): its time per parameter scales
     to the rank's shards."""
-    from titan_kimi.training.optimizer import build_optimizer
+    from titan_kimi.training.optim.optimizer import build_optimizer
 
     params = [p for p in block.parameters() if p.requires_grad]
     for p in params:

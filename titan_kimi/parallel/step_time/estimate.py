@@ -97,7 +97,7 @@ class StepTimeModel:
     def stage_counts(self, layer_range: tuple[int, int]) -> StageParams:
         """Parameter counts of the stage holding ``layer_range`` (a meta-device build, once per range)."""
         if layer_range not in self._counts:
-            from titan_kimi.training.build import build_meta_model
+            from titan_kimi.training.setup.build import build_meta_model
 
             model = build_meta_model(self.args, DTYPES[self.cfg.model.dtype], indexer_mode=self.cfg.indexer.mode,
                                      warmup_trains=self.cfg.indexer.warmup_trains,

@@ -9,7 +9,7 @@ backward on the run's first batch layout, and exits; the trainer waits for them 
 then loads their graphs instead of compiling them one after another. Only single-process runs (no CP, EP or
 PP; a text model), where the trainer's inputs are known here exactly. A process that fails costs only time.
 
-    python -m titan_kimi.training.compile_prewarm --layer 3 --part attention -- <the job's command-line arguments>
+    python -m titan_kimi.compile.module_prewarm --layer 3 --part attention -- <the job's command-line arguments>
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-from titan_kimi.training.compile_report import CompileReport, process_start_time
-from titan_kimi.training.helper_process import HelperProcess
+from titan_kimi.compile.report import CompileReport, process_start_time
+from titan_kimi.training.process.helper_process import HelperProcess
 
 logger = logging.getLogger("titan_kimi")
 
@@ -61,11 +61,11 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     from lowerings.inductor.modes import compile_mode
     from titan_kimi.config import load_job_config
     from titan_kimi.data.causal_keys import longest_document
-    from titan_kimi.parallel.compile import module_regions
+    from titan_kimi.compile.apply import module_regions
     from titan_kimi.parallel.parallelize import mixed_precision_dtype
-    from titan_kimi.training.build import (build_model_from_config, dataloader_from_config, model_args_from_config,
-                                          tokenizer_from_config)
-    from titan_kimi.training.kernels import configure_kernels, import_backend_libraries
+    from titan_kimi.training.setup.build import (build_model_from_config, dataloader_from_config,
+                                                 model_args_from_config, tokenizer_from_config)
+    from titan_kimi.training.setup.kernels import configure_kernels, import_backend_libraries
 
     if part not in PARTS:
         raise ValueError(f"part = {part!r}; valid: {PARTS}")
@@ -146,7 +146,7 @@ class ModulePrewarm:
 
         stored = DTYPES[cfg.model.dtype]
         for layer, part in prewarm_kinds(args, stored=stored, compute=mixed_precision_dtype(cfg) or stored):
-            command = [sys.executable, "-m", "titan_kimi.training.compile_prewarm", "--layer", str(layer),
+            command = [sys.executable, "-m", "titan_kimi.compile.module_prewarm", "--layer", str(layer),
                        "--part", part, "--", *job_argv]
             self.processes.append(HelperProcess(f"layer {layer} {part}", command))
         logger.info("compile.prewarm_modules: compiling %s in %d processes",
@@ -171,7 +171,7 @@ class ModulePrewarm:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--" not in argv:
-        raise SystemExit("usage: python -m titan_kimi.training.compile_prewarm --layer L --part P -- <job args>")
+        raise SystemExit("usage: python -m titan_kimi.compile.module_prewarm --layer L --part P -- <job args>")
     split = argv.index("--")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layer", type=int, required=True)

@@ -1,7 +1,7 @@
 """The per-parameter Adam(W) with its own moment dtype that titan_kimi used before the multi-tensor one.
 
 Kept as the reference that tests and ``scripts/bench/optimizer_step.py`` compare
-:class:`titan_kimi.training.adam_multi_tensor.MultiTensorAdam` against: a Python loop over parameters, each
+:class:`titan_kimi.training.optim.adam_multi_tensor.MultiTensorAdam` against: a Python loop over parameters, each
 with its own fp32 copies and kernels. Not used in training.
 """
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from titan_kimi.training.helper_process import HelperProcess
+from titan_kimi.training.process.helper_process import HelperProcess
 
 if TYPE_CHECKING:  # torch and the model's args load after spawn_early, which must not wait for them
     import torch

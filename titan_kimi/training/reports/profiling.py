@@ -2,7 +2,7 @@
 
 Each profiled step writes, under ``job.dump_folder/<profiling.folder>/step-<N>/``: ``rank<R>.trace.json.gz``
 (chrome trace), ``rank<R>.kernels.txt`` (the op/kernel table by self device time) and ``rank<R>.summary.json``
-(training/profile_summary.py). Rank 0 gathers every rank's summary for the log and metrics.jsonl.
+(training/reports/profile_summary.py). Rank 0 gathers every rank's summary for the log and metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from titan_kimi.training.metrics import peak_memory_gib
-from titan_kimi.training.profile_summary import STEP_ANNOTATION, StepProfile, summarize_trace
+from titan_kimi.training.reports.metrics import peak_memory_gib
+from titan_kimi.training.reports.profile_summary import STEP_ANNOTATION, StepProfile, summarize_trace
 
 KERNEL_TABLE_ROWS = 60
 

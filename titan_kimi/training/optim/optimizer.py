@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_kimi.dtypes import DTYPES
-from titan_kimi.training.adam_multi_tensor import MultiTensorAdam
+from titan_kimi.training.optim.adam_multi_tensor import MultiTensorAdam
 
 
 def build_optimizer(model_parts: list[torch.nn.Module], cfg) -> torch.optim.Optimizer:

@@ -8,7 +8,7 @@ from titan_kimi.checkpoint.hf_config import model_args_from_hf, read_hf_config
 from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer
 from titan_kimi.data.chat import IMAGE_PLACEHOLDER
 from titan_kimi.dtypes import DTYPES
-from titan_kimi.training.indexer_training import apply_indexer_trainability, indexer_args
+from titan_kimi.training.setup.indexer_training import apply_indexer_trainability, indexer_args
 from titan_kimi.lora import LoRASettings, apply_lora
 from titan_kimi.models.kimi_k3 import KimiK3Model, KimiK3ModelArgs, model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
@@ -87,7 +87,7 @@ def build_meta_model(
     (fp32-by-design parameters stay fp32): the image-text model when ``vision`` is given. With ``lora`` every
     base weight is frozen and adapters are added (materialise, then ``titan_kimi.lora.reset_adapters``);
     without, (``freeze_vision_tower``) the tower is frozen. The indexer trains as ``indexer_mode`` and
-    ``warmup_trains`` say (``[indexer]``; ``titan_kimi.training.indexer_training``)."""
+    ``warmup_trains`` say (``[indexer]``; ``titan_kimi.training.setup.indexer_training``)."""
     with torch.device("meta"):
         model = (KimiK3VLModel(args, vision, layer_range) if vision is not None
                  else KimiK3Model(args, layer_range=layer_range))

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from titan_kimi.config import ConfigError
 
 EXIT_BAD_INPUT = 2
-_OWN_CODE = tuple(str(Path(__file__).resolve().parents[2] / name) + os.sep for name in ("titan_kimi", "lowerings"))
+_OWN_CODE = tuple(str(Path(__file__).resolve().parents[3] / name) + os.sep for name in ("titan_kimi", "lowerings"))
 
 
 class RunStopped(Exception):

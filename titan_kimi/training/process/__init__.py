@@ -1,0 +1,1 @@
+"""Process control of a run: helper processes, clean shutdown on signals, exit codes."""
