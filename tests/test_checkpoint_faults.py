@@ -267,7 +267,7 @@ def test_damage_inside_a_data_file_names_the_step(tmp_path):
 
 def test_the_trainer_exits_2_on_a_truncated_checkpoint_and_changes_nothing(tmp_path, capsys):
     from resume_runs import build
-    from titan_kimi import train
+    from titan_kimi.trainer import main
     from titan_kimi.training.process.exit_codes import EXIT_BAD_INPUT, run_cli
 
     argv = ["--job.config_file", "train_configs/k31_debug.toml", "--training.seq_len", "32",
@@ -279,7 +279,7 @@ def test_the_trainer_exits_2_on_a_truncated_checkpoint_and_changes_nothing(tmp_p
     trainer.close()
     name = cut_tail(tmp_path / "checkpoint" / "step-2")
     before = tree(tmp_path)
-    assert run_cli(train.main, argv) == EXIT_BAD_INPUT
+    assert run_cli(main, argv) == EXIT_BAD_INPUT
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert re.search(rf"titan_kimi\.train: error: checkpoint .*step-2 is damaged: .*step-2/{name} is \d+ bytes.* The "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_kimi import train
+from titan_kimi.trainer import main
 from titan_kimi.config import ConfigError
 from titan_kimi.training.process.exit_codes import EXIT_BAD_INPUT, RunStopped, is_bad_input, run_cli
 
@@ -51,5 +51,5 @@ def test_a_requested_stop_exits_with_its_code():
 
 
 def test_job_description_is_printed_at_start(capsys):
-    assert train.main(["--job.description", "ablation 7: no indexer", "--job.dry_run"]) == 0
+    assert main(["--job.description", "ablation 7: no indexer", "--job.dry_run"]) == 0
     assert "job: ablation 7: no indexer" in capsys.readouterr().out

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from titan_kimi import train
+from titan_kimi.trainer import Trainer, main
 from titan_kimi.config import load_job_config
 from titan_kimi.parallel.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
@@ -20,7 +20,7 @@ TINY = ["--model.flavor", "k31_debug", "--model.dtype", "float32", "--training.s
 
 
 def run_main(capsys, *argv):
-    assert train.main(list(argv)) == 0
+    assert main(list(argv)) == 0
     return capsys.readouterr().out
 
 
@@ -107,7 +107,7 @@ def make_trainer(tmp_path, *extra):
     cfg = load_job_config([*TINY, "--training.steps", "2", "--training.local_batch_size", "2",
                            "--job.dump_folder", str(tmp_path), *extra])
     args = model_args_from_config(cfg)
-    return train.Trainer(cfg, args, resolve_layout(cfg, 1, args), DistEnv(0, 1, 0))
+    return Trainer(cfg, args, resolve_layout(cfg, 1, args), DistEnv(0, 1, 0))
 
 
 def poison(trainer, name):

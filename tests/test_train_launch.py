@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,35 @@ def test_torchrun_data_parallel_matches_one_process(tmp_path):
     assert dp2[0] == pytest.approx(single[0], rel=1e-6)
     for a, b in zip(dp2[1:], single[1:]):
         assert a == pytest.approx(b, rel=1e-3)
+
+
+def test_the_launcher_starts_the_fla_prewarm_before_torch_and_the_trainer_import_starts_nothing(tmp_path):
+    """``python -m titan_kimi.train`` (`launch`): FLA's prewarm is spawned before torch is imported and handed
+    to the trainer's main, which reaps it; importing the trainer module spawns nothing."""
+    record = """
+        import json, sys
+        from titan_kimi.compile import kernel_prewarm
+        seen = {"spawned": []}
+        def spawn_early(self, argv, environ=None):
+            seen["spawned"].append({"torch imported": "torch" in sys.modules, "argv": list(argv)})
+            seen["prewarm"] = id(self)
+            return False
+        def finish(self, *, stop, quiet=False):
+            seen["finished by the trainer"] = id(self) == seen.get("prewarm") and stop
+        kernel_prewarm.FlaPrewarm.spawn_early, kernel_prewarm.FlaPrewarm.finish = spawn_early, finish
+    """
+    launch = record + """
+        import titan_kimi.train
+        status = titan_kimi.train.launch(["--job.config_file", "train_configs/k31_debug.toml", "--job.dry_run"])
+        seen.pop("prewarm")
+        print(json.dumps({"status": status, **seen}))
+    """
+    imported = record + """
+        import titan_kimi.trainer
+        print(json.dumps(seen))
+    """
+    results = [json.loads(run([sys.executable, "-c", textwrap.dedent(code)], tmp_path).strip().splitlines()[-1])
+               for code in (launch, imported)]
+    assert results[0] == {"status": 0, "finished by the trainer": True, "spawned": [
+        {"torch imported": False, "argv": ["--job.config_file", "train_configs/k31_debug.toml", "--job.dry_run"]}]}
+    assert results[1] == {"spawned": []}

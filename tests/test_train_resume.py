@@ -4,7 +4,7 @@ holds only the model. Bit-exact resumes on CPU, through every way a run ends: te
 import pytest
 import torch
 
-from titan_kimi import train
+from titan_kimi.trainer import Trainer
 from titan_kimi.config import load_job_config
 from titan_kimi.parallel.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
@@ -19,7 +19,7 @@ def trainer(folder, *extra):
         *extra,
     ])
     args = model_args_from_config(cfg)
-    return train.Trainer(cfg, args, resolve_layout(cfg, 1, args), DistEnv(0, 1, 0))
+    return Trainer(cfg, args, resolve_layout(cfg, 1, args), DistEnv(0, 1, 0))
 
 
 class Crash(Exception):

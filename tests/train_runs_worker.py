@@ -32,7 +32,7 @@ def launcher_store() -> dist.Store | None:
 
 
 def main() -> None:
-    from titan_kimi.train import main as train_main
+    from titan_kimi.trainer import main as train_main
 
     store = launcher_store()
     rank = int(os.environ.get("RANK", "0"))

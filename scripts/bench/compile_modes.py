@@ -3,7 +3,7 @@
     python scripts/bench/compile_modes.py --flavor k31_debug --steps 3 --seq-len 32 --batch 2 \\
         --modes none,default --out outputs/ablate_k31_debug [-- --kernels.kda fla ...]
 
-Each mode builds a fresh ``titan_kimi.train.Trainer`` from a recipe (``--config``, else
+Each mode builds a fresh ``titan_kimi.trainer.Trainer`` from a recipe (``--config``, else
 ``train_configs/<flavor>.toml`` when it exists, else the defaults) with the shape and mode overrides, and
 trains ``--steps`` steps. Arguments after ``--`` are more job-config overrides, applied to every mode.
 Written to ``--out``: ``results.json`` (every number, the loss curves, the environment), ``results.md`` (the
@@ -92,7 +92,7 @@ def job_argv(opts: argparse.Namespace, mode: str, dump: Path) -> list[str]:
 
 
 def build_trainer(opts: argparse.Namespace, mode: str, dump: Path):
-    from titan_kimi.train import Trainer
+    from titan_kimi.trainer import Trainer
 
     cfg = load_job_config(job_argv(opts, mode, dump), environ={})
     args = model_args_from_config(cfg)

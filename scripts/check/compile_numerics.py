@@ -47,7 +47,7 @@ from titan_kimi.training.setup.kernels import configure_kernels  # noqa: E402
 
 
 def build_trainer(config: str, steps: int, dump: Path, overrides: list[str]):
-    from titan_kimi.train import Trainer
+    from titan_kimi.trainer import Trainer
 
     argv = ["--job.config_file", config, "--training.steps", str(steps), "--job.dump_folder", str(dump),
             "--checkpoint.enable", "false", "--validation.enable", "false", "--metrics.progress", "off",

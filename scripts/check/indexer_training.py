@@ -44,7 +44,7 @@ from titan_kimi.data.assets import SAMPLE_TEXT_PATH  # noqa: E402
 from titan_kimi.models.kimi_k3.mla import GatedMLA  # noqa: E402
 from titan_kimi.parallel.distributed import DistEnv  # noqa: E402
 from titan_kimi.parallel.layout import resolve_layout  # noqa: E402
-from titan_kimi.train import Trainer  # noqa: E402
+from titan_kimi.trainer import Trainer  # noqa: E402
 from titan_kimi.training.setup.build import model_args_from_config  # noqa: E402
 from titan_kimi.training.setup.kernels import configure_kernels, import_backend_libraries  # noqa: E402
 

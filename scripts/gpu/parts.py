@@ -212,7 +212,7 @@ def cudnn_kda_gradients(r: Runner, folder: Path) -> None:
 
 def import_profile(r: Runner, folder: Path) -> None:
     """Where the start-up's imports go: ``python -X importtime`` of the trainer and of the backends' modules."""
-    for name, code in (("train", "import titan_kimi.train"),
+    for name, code in (("train", "import titan_kimi.trainer"),
                        ("backends", "import torch, fla.ops.kda.chunk_fwd, fla.ops.kda.chunk_bwd, "
                                     "liger_kernel.ops.fused_linear_cross_entropy")):
         r.run(f"importtime_{name}", Command(python("-X", "importtime", "-c", code),
