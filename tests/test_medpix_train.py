@@ -1,42 +1,61 @@
 """The image-text recipes end to end on CPU: falling loss with and without LoRA, adapter files, FSDP2 + LoRA on
 two processes against one, LoRA at PP2 against one process (adapters merged and exported, also by the pipelined
-run's own final HF save), and the one-H200 recipe at reduced size."""
+run's own final HF save), and the one-H200 recipe at reduced size.
+
+The runs are one table (tests/train_runs.py), launched once per module: one launch per world size."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.train_runs import Run, TrainRuns
+
+MEDPIX = ("--job.config_file", "train_configs/k31_medpix_debug.toml")
+# fp32, 3 steps of global batch 4, in order: the LoRA layouts against one process
+LORA_3_STEPS = (*MEDPIX, "--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "3",
+                "--training.global_batch_size", "4", "--data.shuffle", "false", "--lr_scheduler.warmup_steps", "1",
+                "--lora.enable", "true")
+FSDP_LORA = (*LORA_3_STEPS, "--lora.target_modules", "attention,experts,projector,vision_tower",
+             "--metrics.log_freq", "1")
+# PP2 as users type it, in fp32, with validation, and the final save in HF (merged)
+PIPELINED = (*MEDPIX, "--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "8",
+             "--data.shuffle", "false", "--lora.enable", "true", "--lora.target_modules",
+             "attention,experts,projector,vision_tower", "--metrics.log_freq", "1", "--validation.enable", "true",
+             "--validation.freq", "4", "--validation.steps", "2")
+EXPORT = ("--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",
+          "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "float32")
+RUNS = {
+    "debug": Run(1, MEDPIX),  # 1: under torchrun, as the recipe's users launch it
+    "debug_lora": Run(1, (*MEDPIX, "--lora.enable", "true")),
+    "fsdp_dp2": Run(2, (*FSDP_LORA, "--training.local_batch_size", "2")),
+    "fsdp_single": Run(0, (*FSDP_LORA, "--training.local_batch_size", "4")),
+    "ep_ep2": Run(2, (*LORA_3_STEPS, "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2")),
+    "ep_single": Run(0, (*LORA_3_STEPS, "--training.local_batch_size", "4")),
+    "pp_pp2": Run(2, (*PIPELINED, *EXPORT, "--parallelism.pipeline_parallel_degree", "2")),
+    "pp_single": Run(0, (*PIPELINED, *EXPORT)),
+    "vl_small": Run(0, ("--job.config_file", "train_configs/k31_vl_small.toml", "--model.flavor", "k31_debug",
+                        "--model.vision_flavor", "moonvit3d_debug", "--training.steps", "6",
+                        "--training.local_batch_size", "2", "--training.seq_len", "512", "--optimizer.implementation",
+                        "for-loop")),
+}
 
 
-def run(cmd):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
-
-
-def rows(folder):
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return TrainRuns(tmp_path_factory.mktemp("medpix_runs"), RUNS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True])
-def test_medpix_debug_recipe_trains_with_falling_loss(tmp_path, lora):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "titan_kimi.train",
-           "--job.config_file", "train_configs/k31_medpix_debug.toml", "--job.dump_folder", str(tmp_path)]
-    out = run(cmd + (["--lora.enable", "true"] if lora else []))
-    metrics = rows(tmp_path)
+def test_medpix_debug_recipe_trains_with_falling_loss(runs, lora):
+    name = "debug_lora" if lora else "debug"
+    out, metrics = runs.output(name), runs.rows(name)
     losses = [m["loss"] for m in metrics]
     assert len(losses) == 40 and all(m["images"] == 8 for m in metrics)
     assert losses[-1] < 0.1 * losses[0], losses
     assert "summary: steps=40" in out
-    adapters = tmp_path / "lora_adapters"
+    adapters = runs.folder(name) / "lora_adapters"
     assert adapters.exists() == lora
     if lora:
         from titan_kimi.config import load_job_config
@@ -58,16 +77,8 @@ def test_medpix_debug_recipe_trains_with_falling_loss(tmp_path, lora):
 
 
 @pytest.mark.slow
-def test_fsdp_with_lora_on_the_image_text_model_matches_one_process(tmp_path):
-    common = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
-              "--training.mixed_precision", "false", "--training.steps", "3", "--training.global_batch_size", "4",
-              "--data.shuffle", "false", "--lr_scheduler.warmup_steps", "1", "--lora.enable", "true", "--lora.target_modules",
-              "attention,experts,projector,vision_tower", "--metrics.log_freq", "1"]
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
-         "--training.local_batch_size", "2", "--job.dump_folder", str(tmp_path / "dp2")])
-    run([sys.executable, "-m", "titan_kimi.train", *common, "--training.local_batch_size", "4",
-         "--job.dump_folder", str(tmp_path / "single")])
-    dp2, single = [m["loss"] for m in rows(tmp_path / "dp2")], [m["loss"] for m in rows(tmp_path / "single")]
+def test_fsdp_with_lora_on_the_image_text_model_matches_one_process(runs):
+    dp2, single = runs.losses("fsdp_dp2"), runs.losses("fsdp_single")
     assert len(dp2) == len(single) == 3
     assert dp2[0] == pytest.approx(single[0], rel=1e-5)
     for a, b in zip(dp2[1:], single[1:]):
@@ -75,31 +86,23 @@ def test_fsdp_with_lora_on_the_image_text_model_matches_one_process(tmp_path):
     # Both runs wrote the same adapters (rank 0 of the FSDP run gathers the shards).
     from safetensors.torch import load_file
 
-    a = load_file(str(tmp_path / "dp2" / "lora_adapters" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "single" / "lora_adapters" / "adapter_model.safetensors"))
+    a = load_file(str(runs.folder("fsdp_dp2") / "lora_adapters" / "adapter_model.safetensors"))
+    b = load_file(str(runs.folder("fsdp_single") / "lora_adapters" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and any(k.startswith("base_model.model.vision_tower.") for k in a)
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
 
 
 @pytest.mark.slow
-def test_expert_parallel_lora_matches_one_process(tmp_path):
+def test_expert_parallel_lora_matches_one_process(runs):
     """Per-expert adapters shard with their experts (and stay trainable while the experts stay frozen)."""
-    common = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
-              "--training.mixed_precision", "false", "--training.steps", "3", "--training.global_batch_size", "4",
-              "--data.shuffle", "false", "--lr_scheduler.warmup_steps", "1", "--lora.enable", "true"]
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "titan_kimi.train", *common,
-         "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
-         "--job.dump_folder", str(tmp_path / "ep2")])
-    run([sys.executable, "-m", "titan_kimi.train", *common, "--training.local_batch_size", "4",
-         "--job.dump_folder", str(tmp_path / "single")])
-    ep2, single = [m["loss"] for m in rows(tmp_path / "ep2")], [m["loss"] for m in rows(tmp_path / "single")]
+    ep2, single = runs.losses("ep_ep2"), runs.losses("ep_single")
     assert ep2[0] == pytest.approx(single[0], rel=1e-5)
     for a, b in zip(ep2[1:], single[1:]):
         assert a == pytest.approx(b, rel=2e-3)
     from safetensors.torch import load_file
 
-    a = load_file(str(tmp_path / "ep2" / "lora_adapters" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "single" / "lora_adapters" / "adapter_model.safetensors"))
+    a = load_file(str(runs.folder("ep_ep2") / "lora_adapters" / "adapter_model.safetensors"))
+    b = load_file(str(runs.folder("ep_single") / "lora_adapters" / "adapter_model.safetensors"))
     expert_keys = [k for k in a if ".experts.7.w2." in k]
     assert a.keys() == b.keys() and expert_keys
     assert all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a)
@@ -111,22 +114,13 @@ def worst_relative_difference(a: dict, b: dict) -> tuple[float, str]:
 
 
 @pytest.mark.slow
-def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_export(tmp_path):
+def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_export(runs, tmp_path):
     """PP2 as users type it, in fp32: falling loss, the losses and adapter files of one process, and the adapters
     load by name into a whole model and export merged like the one-process ones."""
-    common = ["--job.config_file", "train_configs/k31_medpix_debug.toml", "--model.dtype", "float32",
-              "--training.mixed_precision", "false", "--training.steps", "8", "--data.shuffle", "false",
-              "--lora.enable", "true", "--lora.target_modules", "attention,experts,projector,vision_tower",
-              "--metrics.log_freq", "1", "--validation.enable", "true", "--validation.freq", "4",
-              "--validation.steps", "2"]
-    export = ["--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",  # the final save: HF, merged
-              "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "float32"]
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "titan_kimi.train", *common, *export,
-         "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path / "pp2")])
-    run([sys.executable, "-m", "titan_kimi.train", *common, *export, "--job.dump_folder", str(tmp_path / "single")])
+    folders = {"pp2": runs.folder("pp_pp2"), "single": runs.folder("pp_single")}
     (pp2, pp2_val), (single, single_val) = (
-        ([m for m in rows(tmp_path / n) if "loss" in m], [m for m in rows(tmp_path / n) if "validation_loss" in m])
-        for n in ("pp2", "single"))
+        ([m for m in runs.rows(n) if "loss" in m], [m for m in runs.rows(n) if "validation_loss" in m])
+        for n in ("pp_pp2", "pp_single"))
     assert [m["step"] for m in pp2_val] == [4, 8]
     assert pp2_val[0]["validation_tokens"] == single_val[0]["validation_tokens"]
     for a, b in zip(pp2_val, single_val):  # validation batches with images through the pipeline's eval
@@ -139,7 +133,7 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-3)
     from safetensors.torch import load_file
 
-    files = {name: tmp_path / name / "lora_adapters" for name in ("pp2", "single")}
+    files = {name: folder / "lora_adapters" for name, folder in folders.items()}
     a, b = (load_file(str(files[n] / "adapter_model.safetensors")) for n in ("pp2", "single"))
     assert a.keys() == b.keys() and any(k.startswith("base_model.model.vision_tower.") for k in a)
     assert any(".layers.7." in k for k in a)  # the second stage's adapters are in the one file
@@ -150,7 +144,7 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
     assert (files["pp2"] / "adapter_config.json").read_text() == (files["single"] / "adapter_config.json").read_text()
 
     # The pipelined run's own HF export (each stage's shards, one index): the one-process run's checkpoint.
-    final = {name: tmp_path / name / "checkpoint" / "hf-step-8" for name in ("pp2", "single")}
+    final = {name: folder / "checkpoint" / "hf-step-8" for name, folder in folders.items()}
     assert (final["pp2"] / "config.json").read_text() == (final["single"] / "config.json").read_text()
     ours, theirs = ({k: v for f in final[n].glob("*.safetensors") for k, v in load_file(str(f)).items()}
                     for n in ("pp2", "single"))
@@ -167,7 +161,7 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
     from titan_kimi.training.setup.build import build_model_from_config
     from titan_kimi.training.setup.seeded_init import init_weights_seeded
 
-    cfg = load_job_config(common, environ={})
+    cfg = load_job_config(list(PIPELINED), environ={})
     exported = {}
     for name, folder in files.items():
         model = build_model_from_config(cfg, model_args_for("k31_debug"), KimiTokenizer(TOKENIZER_DIR))
@@ -183,12 +177,8 @@ def test_pipelined_lora_trains_like_one_process_and_its_adapters_merge_and_expor
 
 
 @pytest.mark.slow
-def test_one_gpu_image_text_recipe_runs_at_reduced_size(tmp_path):
-    out = run([sys.executable, "-m", "titan_kimi.train", "--job.config_file", "train_configs/k31_vl_small.toml",
-               "--model.flavor", "k31_debug", "--model.vision_flavor", "moonvit3d_debug", "--training.steps", "6",
-               "--training.local_batch_size", "2", "--training.seq_len", "512", "--optimizer.implementation",
-               "for-loop", "--job.dump_folder", str(tmp_path)])
-    metrics = rows(tmp_path)
+def test_one_gpu_image_text_recipe_runs_at_reduced_size(runs):
+    out, metrics = runs.output("vl_small"), runs.rows("vl_small")
     assert len(metrics) == 6 and all(m["images"] == 2 for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     assert "median_images_per_sec" in out
