@@ -217,7 +217,8 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
         check_adapter_files(name, trainer, ref_model, env)
     data = iter(trainer.dataloader)
     host = [trainer._local(next(data)) for _ in range(trainer.accum_steps)]
-    normalizer = trainer._global_valid_tokens(host)
+    valid = trainer._step_totals(host)[0]  # as the trainer's step: a host number, a device scalar without PP
+    normalizer = valid if trainer.pipeline is not None else torch.full((), valid, dtype=torch.float32, device=device)
     indexer = trainer._indexer_inputs(host, measure=False)
     for run in range(2 if name in WARM_STEP else 1):  # the compared gradients: the last run's
         for part in trainer.model_parts:

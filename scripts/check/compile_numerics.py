@@ -136,7 +136,7 @@ def main() -> int:
     for step in range(1, opts.steps + 1):
         t0 = time.perf_counter()
         host = next(data)
-        normalizer = trainer._global_valid_tokens([host])
+        normalizer = torch.full((), trainer._step_totals([host])[0], dtype=torch.float32, device=trainer.device)
         batch = {k: v.to(trainer.device) for k, v in host.items()}
         keys = longest_document(host["doc_ids"])
         compiled_loss, compiled = loss_and_grads(trainer, batch, normalizer, keys)
