@@ -1,6 +1,6 @@
 """Shared test setup: GPU tests skip without CUDA.
 
-Without CUDA, Triton runs in its interpreter for the whole session. The variable must be set before the
+Without CUDA, Triton runs in its interpreter for the whole test run. The variable must be set before the
 first ``import triton`` (Triton's own language library is decorated at import time), and other tests import
 Triton indirectly (torch.library.opcheck, Inductor), so it is set here, before any test module loads.
 """
@@ -42,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def layout_runs(tmp_path_factory):
     """The trainer runs of tests/layout_runs.py RUNS (tests/train_runs.py TrainRuns), each launched once per
-    session with every run of its world size, however many tests compare with it."""
+    pytest run with every run of its world size, however many tests compare with it."""
     from tests.layout_runs import RUNS
     from tests.train_runs import TrainRuns
 

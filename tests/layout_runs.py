@@ -1,5 +1,5 @@
 """The trainer runs of the shipped k31_debug recipe that tests/test_parallel.py and tests/test_context_parallel.py
-compare, by name (tests/train_runs.py), launched once per session (tests/conftest.py layout_runs)."""
+compare, by name (tests/train_runs.py), launched once per pytest run (tests/conftest.py layout_runs)."""
 
 from __future__ import annotations
 

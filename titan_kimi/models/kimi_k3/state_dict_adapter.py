@@ -84,13 +84,20 @@ def args_from_hf_config(config: dict[str, Any], **overrides: Any) -> KimiK3Model
     return KimiK3ModelArgs(**{**hf_config_to_kwargs(config), **overrides})
 
 
-def hf_config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
-    """Model-args keyword arguments from a checkpoint config dict; rejects settings the model cannot build."""
+def hf_section(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """``config[name]`` of a composite ``kimi_k3`` config.json (``text_config``, ``vision_config``), or the config
+    itself when it is a bare one."""
     if not isinstance(config, dict):
         raise ValueError(f"config.json: must be a JSON object, got {type(config).__name__}")
-    text = config.get("text_config", config)
-    if not isinstance(text, dict):
-        raise ValueError(f"config.json: text_config must be an object, got {type(text).__name__}")
+    section = config.get(name, config)
+    if not isinstance(section, dict):
+        raise ValueError(f"config.json: {name} must be an object, got {type(section).__name__}")
+    return section
+
+
+def hf_config_to_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """Model-args keyword arguments from a checkpoint config dict; rejects settings the model cannot build."""
+    text = hf_section(config, "text_config")
     out: dict[str, Any] = {}
     for hf, ours in HF_RENAMES.items():
         if text.get(hf) is not None:

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from titan_kimi.models.kimi_k3.state_dict_adapter import hf_section
+
 MEDIA_PLACEHOLDER_TOKEN_ID = 163605
 
 
@@ -75,9 +77,7 @@ class KimiK3VisionArgs:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> "KimiK3VisionArgs":
         """From a composite ``kimi_k3`` config.json (its ``vision_config``) or a bare vision config."""
-        vision = config.get("vision_config", config)
-        if not isinstance(vision, dict):
-            raise ValueError(f"config.json: vision_config must be an object, got {type(vision).__name__}")
+        vision = hf_section(config, "vision_config")
         kwargs: dict[str, Any] = {}
         for hf, ours in HF_VISION_RENAMES.items():
             if vision.get(hf) is not None:
