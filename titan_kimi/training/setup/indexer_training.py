@@ -42,10 +42,13 @@ def indexer_step_inputs(batches: list[dict], cfg, layers: int, *, pp: int, cp: i
     ``indexer_loss_scale`` = the KL weight over the step's global count of real queries and the DSA layers (a
     device tensor, or a float for a pipeline schedule, which replicates floats to its microbatches but would
     split a tensor), and ``indexer_metrics`` (measure the recall: a logging step)."""
-    from titan_kimi.parallel.distributed import all_reduce_sum
+    from titan_kimi.parallel.distributed import host_all_reduce
 
-    local = sum(int((b["doc_ids"] != 0).sum()) for b in batches)  # on the host: no device sync
-    # the ranks of one pipeline read the same batch, and those of a CP group the same whole-row doc_ids
-    total = all_reduce_sum(torch.tensor(float(local), dtype=torch.float32, device=device)) / (pp * cp)
-    scale = cfg.indexer.kl_weight / (total.clamp(min=1.0) * layers)
-    return dict(indexer_loss_scale=float(scale) if as_float else scale, indexer_metrics=measure)
+    local = sum(int((b["doc_ids"] != 0).sum()) for b in batches)
+    # summed on the host (no copy to the device, no wait for its queue); the ranks of one pipeline read the same
+    # batch, and those of a CP group the same whole-row doc_ids
+    total = host_all_reduce([float(local)])[0] / (pp * cp)
+    scale = cfg.indexer.kl_weight / (max(total, 1.0) * layers)
+    if not as_float:
+        scale = torch.full((), scale, dtype=torch.float32, device=device)
+    return dict(indexer_loss_scale=scale, indexer_metrics=measure)
