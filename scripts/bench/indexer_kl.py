@@ -18,7 +18,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 import torch  # noqa: E402
 
-from cuda_timing import median_cuda_ms, package_versions  # noqa: E402
+from timing import median_cuda_ms, package_versions  # noqa: E402  (scripts/bench/ is sys.path[0])
 from lowerings.kernels import indexer_kl  # noqa: E402
 from lowerings.ops import configure_backends, sparse_mla  # noqa: E402
 from lowerings.ops.indexer_topk import indexer_topk  # noqa: E402

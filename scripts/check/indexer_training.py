@@ -275,14 +275,17 @@ def learning(opts, report: Report, data: Path) -> None:
 def throughput(opts, report: Report, data: Path) -> None:
     small = opts.tiny is False
     results = {}
-    for mode in ("frozen", "warmup", "sparse"):
+    for mode in opts.modes:
         argv = ["--job.config_file", "train_configs/k31_small.toml" if small else "train_configs/k31_debug.toml",
                 "--training.seq_len", str(opts.throughput_seq_len), "--data.path", str(data),
                 "--training.steps", str(opts.throughput_steps), "--metrics.log_freq", "10", "--indexer.mode", mode,
                 "--job.dump_folder", str(report.out / "runs" / f"throughput_{mode}")]
         if not small:
             argv += ["--training.local_batch_size", "2"]
-        history = run(trainer(argv))[3:]  # after the compile steps
+        if opts.profile_step:
+            argv += ["--profiling.enable", "true", "--profiling.steps", str(opts.profile_step)]
+        # after the compile steps; a profiled step runs slower and stays out of the medians
+        history = [m for m in run(trainer(argv))[3:] if m["step"] != opts.profile_step]
         release()
         plain = [m["tokens_per_sec"] for m in history if m.get("indexer_kl") is None]
         with_log = [m["tokens_per_sec"] for m in history if m.get("indexer_kl") is not None]
@@ -311,6 +314,10 @@ def main() -> int:
                         help="mean |sparse - dense| LM loss over the sparse stage, as a share of the dense loss")
     parser.add_argument("--throughput-steps", type=int, default=25)
     parser.add_argument("--throughput-seq-len", type=int, default=None, help="default 8192; tiny 128")
+    parser.add_argument("--modes", nargs="+", choices=("frozen", "warmup", "sparse"),
+                        default=["frozen", "warmup", "sparse"], help="the throughput part's indexer modes")
+    parser.add_argument("--profile-step", type=int, default=0,
+                        help="throughput part: profile this step of each mode (torch.profiler; 0 = none)")
     opts = parser.parse_args()
     opts.seq_len = opts.seq_len or (128 if opts.tiny else 4096)
     opts.throughput_seq_len = opts.throughput_seq_len or (128 if opts.tiny else 8192)
