@@ -80,6 +80,35 @@ def test_sparse_kernels_match_the_reference_with_packed_documents(ik):
     check_sparse(ik.indexer_kl, make(36, 20, 40, 4, 16, seed=2), packed([21, 3, 12]), 18, 1e-5)
 
 
+def hot_and_cold_idx(T: int, Tk: int, k: int, hot: int, seed=0) -> torch.Tensor:
+    """[T, k] int32 selections over keys [0, hot) only: key 0 in every row, the rest distinct random keys, about
+    a quarter of the other slots -1; keys hot..Tk-1 are selected by no row."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), 1 + torch.randperm(hot - 1, generator=g)[:k - 1]])
+                       for _ in range(T)]).to(torch.int32)
+    drop = torch.rand(T, k, generator=g) < 0.25
+    drop[:, 0] = False
+    return idx.masked_fill(drop, -1)
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_sparse_backward_with_a_hot_key_unselected_keys_and_empty_slots(ik, dtype, bound):
+    """dk's key-major pass: key 0 is selected by all 37 rows (three 16-row chunks of its run in the
+    interpreter), keys 30..44 by none (dk exactly 0), scattered -1 slots; T = 37 and Tk = 45 are no multiple of
+    the 16-wide blocks, DI = 24 is no power of two."""
+    T, Tk, k, HI, DI = 37, 45, 12, 4, 24
+    t = make(T, 2, 16, HI, DI, dtype, seed=4, Tk=Tk)
+    idx = hot_and_cold_idx(T, Tk, k, hot=30, seed=5)
+    iscale = DI**-0.5
+    d_scores = torch.randn(idx.shape, generator=torch.Generator().manual_seed(6))
+    got = ik.indexer_kl.scores_at_backward(d_scores, t["iq"], t["ik"], t["iw"], idx, iscale)
+    want = ref.scores_at_backward_reference(d_scores, t["iq"].float(), t["ik"].float(), t["iw"], idx, iscale)
+    for name, a, b in zip(("dq", "dk", "dw"), got, want):
+        assert a.dtype == torch.float32 and a.shape == b.shape, name
+        assert rel(a, b) < bound, (name, rel(a, b))
+    assert torch.count_nonzero(got[1][30:]) == 0 and torch.count_nonzero(got[1][0]) > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_kernels_at_k31_small_shape_in_bf16(mode):
