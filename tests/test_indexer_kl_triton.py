@@ -91,17 +91,20 @@ def hot_and_cold_idx(T: int, Tk: int, k: int, hot: int, seed=0) -> torch.Tensor:
     return idx.masked_fill(drop, -1)
 
 
+@pytest.mark.parametrize("row_chunks", [1, 3])
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_sparse_backward_with_a_hot_key_unselected_keys_and_empty_slots(ik, dtype, bound):
+def test_sparse_backward_with_a_hot_key_unselected_keys_and_empty_slots(ik, dtype, bound, row_chunks):
     """dk's key-major pass: key 0 is selected by all 37 rows (three 16-row chunks of its run in the
     interpreter), keys 30..44 by none (dk exactly 0), scattered -1 slots; T = 37 and Tk = 45 are no multiple of
-    the 16-wide blocks, DI = 24 is no power of two."""
+    the 16-wide blocks, DI = 24 is no power of two. ``row_chunks`` = 3: a workspace of 13 rows' slots, so dk adds
+    three chunks of rows (13, 13, 11)."""
     T, Tk, k, HI, DI = 37, 45, 12, 4, 24
     t = make(T, 2, 16, HI, DI, dtype, seed=4, Tk=Tk)
     idx = hot_and_cold_idx(T, Tk, k, hot=30, seed=5)
     iscale = DI**-0.5
     d_scores = torch.randn(idx.shape, generator=torch.Generator().manual_seed(6))
-    got = ik.indexer_kl.scores_at_backward(d_scores, t["iq"], t["ik"], t["iw"], idx, iscale)
+    workspace = {} if row_chunks == 1 else {"workspace_bytes": 13 * k * DI * t["iq"].element_size()}
+    got = ik.indexer_kl.scores_at_backward(d_scores, t["iq"], t["ik"], t["iw"], idx, iscale, **workspace)
     want = ref.scores_at_backward_reference(d_scores, t["iq"].float(), t["ik"].float(), t["iw"], idx, iscale)
     for name, a, b in zip(("dq", "dk", "dw"), got, want):
         assert a.dtype == torch.float32 and a.shape == b.shape, name

@@ -315,12 +315,13 @@ def _scores_at_kernel(IQ, IK, IW, IDX, OUT, stride_iqt, stride_iqh, HI, DI, K, i
 
 
 @triton.jit
-def _scores_at_bwd_kernel(D_SCORES, IQ, IK, IW, IDX, DQ, V, DW, stride_iqt, stride_iqh, HI, DI, K, iscale,
+def _scores_at_bwd_kernel(D_SCORES, IQ, IK, IW, IDX, DQ, V, DW, stride_iqt, stride_iqh, HI, DI, K, iscale, t0,
                           BLOCK_N: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr,
                           DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Query-major: dq, dw of row r in registers; slot j's dk contribution (d_l @ q_I)[j] goes to row r K + j of
-    V [T K, DI] (V's dtype; -1 slots are not written: the key-major pass never reads them)."""
-    r = tl.program_id(0).to(tl.int64)
+    """Query-major over the rows t0 + program: dq, dw of row r in registers; slot j's dk contribution
+    (d_l @ q_I)[j] goes to row (r - t0) K + j of the chunk's V [n K, DI] (V's dtype; -1 slots are not written:
+    the key-major pass never reads them)."""
+    r = t0 + tl.program_id(0).to(tl.int64)
     offs_hi = tl.arange(0, BLOCK_HI)
     offs_di = tl.arange(0, BLOCK_DI)
     w = tl.load(IW + r * HI + offs_hi, mask=offs_hi < HI, other=0.0).to(tl.float32)
@@ -339,7 +340,7 @@ def _scores_at_bwd_kernel(D_SCORES, IQ, IK, IW, IDX, DQ, V, DW, stride_iqt, stri
         dw += d_w
         dq = tl.dot(tl.trans(d_l).to(kt.dtype), kt, dq, input_precision=DOT_PREC)
         d_k = tl.dot(d_l.to(qt.dtype), tl.trans(qt), input_precision=DOT_PREC)
-        tl.store(V + (r * K + slots)[:, None] * DI + offs_di[None, :], d_k.to(V.dtype.element_ty),
+        tl.store(V + ((r - t0) * K + slots)[:, None] * DI + offs_di[None, :], d_k.to(V.dtype.element_ty),
                  mask=ok[:, None] & (offs_di < DI)[None, :])
     tl.store(DQ + r * HI * DI + offs_hi[:, None] * DI + offs_di[None, :], dq,
              mask=(offs_hi < HI)[:, None] & (offs_di < DI)[None, :])
@@ -348,8 +349,8 @@ def _scores_at_bwd_kernel(D_SCORES, IQ, IK, IW, IDX, DQ, V, DW, stride_iqt, stri
 
 @triton.jit
 def _scores_at_bwd_key_kernel(V, ORDER, BOUNDS, DK, DI, BLOCK_R: tl.constexpr, BLOCK_DI: tl.constexpr):
-    """Key-major: dk[s] = the fp32 sum of V[ORDER[BOUNDS[s]:BOUNDS[s + 1]]], BLOCK_R rows at a time (a key's
-    run is anything from empty, then dk[s] = 0, to every query of its document)."""
+    """Key-major: dk[s] += the fp32 sum of V[ORDER[BOUNDS[s]:BOUNDS[s + 1]]], BLOCK_R rows at a time (a key's
+    run is anything from empty to every query of the chunk). One program per key: no atomics."""
     s = tl.program_id(0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     offs_di = tl.arange(0, BLOCK_DI)
@@ -362,7 +363,9 @@ def _scores_at_bwd_key_kernel(V, ORDER, BOUNDS, DK, DI, BLOCK_R: tl.constexpr, B
         ok = pos < end
         rows = tl.load(ORDER + pos, mask=ok, other=0).to(tl.int64)
         acc += _load_rows(V, rows, ok, DI, offs_di, DI).to(tl.float32)
-    tl.store(DK + s * DI + offs_di, tl.sum(acc, 0), mask=di_ok)
+    if end > start:
+        prev = tl.load(DK + s * DI + offs_di, mask=di_ok, other=0.0)
+        tl.store(DK + s * DI + offs_di, prev + tl.sum(acc, 0), mask=di_ok)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -506,29 +509,32 @@ def _slots_by_key(idx: torch.Tensor, tk: int) -> tuple[torch.Tensor, torch.Tenso
     return order.to(itype), bounds.to(itype)
 
 
-def scores_at_backward(d_scores, iq, ik, iw, idx, index_scale: float, *,
-                       config: dict | None = None) -> tuple[torch.Tensor, ...]:
-    """dk without atomics, in two phases: the query-major kernel (dq, dw) writes every selected slot's dk
-    contribution to V [T K, DI], and a key-major kernel sums each key's rows of V, found through the stable sort
-    of idx. fp32 atomics into dk made the backward 12.2 ms against the forward's 1.1 ms on an H200 (T = 8192,
-    K = 2048, 64 x 128 indexer heads; T K DI = 2.1G atomics). V holds T K DI elements of iq's dtype for the
-    duration of the call: 4.3 GB in bf16 at that shape (fp32 inputs keep V in fp32, so that path's dk matches
-    the reference to fp32 rounding)."""
+def scores_at_backward(d_scores, iq, ik, iw, idx, index_scale: float, *, config: dict | None = None,
+                       workspace_bytes: int = 2 << 30) -> tuple[torch.Tensor, ...]:
+    """dk without atomics, in two phases per chunk of query rows: the query-major kernel (dq, dw) writes every
+    selected slot's dk contribution to V [n K, DI], and a key-major kernel adds each key's rows of V into dk,
+    found through the stable sort of the chunk's idx. fp32 atomics into dk made the backward 12.2 ms against the
+    forward's 1.1 ms on an H200 (T = 8192, K = 2048, 64 x 128 indexer heads; T K DI = 2.1G atomics).
+    ``workspace_bytes`` caps V (iq's dtype, so fp32 inputs keep fp32 sums), as the sparse-MLA backward caps its
+    P/dS workspace: T K DI would be 4.3 GB in bf16 at that shape."""
     d_scores, iq, ik, iw, idx = _contiguous(d_scores.float(), iq, ik, iw.float(), idx)
     T, HI, DI = iq.shape
     tk, K = ik.shape[0], idx.shape[1]
     dq = torch.zeros(T, HI, DI, dtype=torch.float32, device=iq.device)
     dw = torch.zeros(T, HI, dtype=torch.float32, device=iq.device)
+    dk = torch.zeros(tk, DI, dtype=torch.float32, device=iq.device)
     if not (T and K and tk):
-        return dq, torch.zeros(tk, DI, dtype=torch.float32, device=iq.device), dw
+        return dq, dk, dw
     meta = {**_main_meta(iq, config), **_index_meta(iq)}
-    v = torch.empty(T * K, DI, dtype=iq.dtype, device=iq.device)
-    launch(_scores_at_bwd_kernel, (T,), d_scores, iq, ik, iw, idx, dq, v, dw, iq.stride(0), iq.stride(1), HI,
-           DI, K, float(index_scale), BLOCK_N=meta["BLOCK_N"], BLOCK_HI=meta["BLOCK_HI"],
-           BLOCK_DI=meta["BLOCK_DI"], DOT_PREC=meta["DOT_PREC"], UPCAST=meta["UPCAST"],
-           num_warps=meta["num_warps"], num_stages=meta["num_stages"])
-    order, bounds = _slots_by_key(idx, tk)
-    dk = torch.empty(tk, DI, dtype=torch.float32, device=iq.device)
-    launch(_scores_at_bwd_key_kernel, (tk,), v, order, bounds, dk, DI, BLOCK_R=meta["BLOCK_N"],
-           BLOCK_DI=meta["BLOCK_DI"], num_warps=meta["num_warps"], num_stages=meta["num_stages"])
+    chunk = max(1, min(T, int(workspace_bytes) // (K * DI * iq.element_size())))
+    v = torch.empty(chunk * K, DI, dtype=iq.dtype, device=iq.device)
+    for t0 in range(0, T, chunk):
+        n = min(chunk, T - t0)
+        launch(_scores_at_bwd_kernel, (n,), d_scores, iq, ik, iw, idx, dq, v, dw, iq.stride(0), iq.stride(1), HI,
+               DI, K, float(index_scale), t0, BLOCK_N=meta["BLOCK_N"], BLOCK_HI=meta["BLOCK_HI"],
+               BLOCK_DI=meta["BLOCK_DI"], DOT_PREC=meta["DOT_PREC"], UPCAST=meta["UPCAST"],
+               num_warps=meta["num_warps"], num_stages=meta["num_stages"])
+        order, bounds = _slots_by_key(idx[t0:t0 + n], tk)
+        launch(_scores_at_bwd_key_kernel, (tk,), v, order, bounds, dk, DI, BLOCK_R=meta["BLOCK_N"],
+               BLOCK_DI=meta["BLOCK_DI"], num_warps=meta["num_warps"], num_stages=meta["num_stages"])
     return dq, dk, dw

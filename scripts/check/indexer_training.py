@@ -319,6 +319,9 @@ def main() -> int:
     parser.add_argument("--profile-step", type=int, default=0,
                         help="throughput part: profile this step of each mode (torch.profiler; 0 = none)")
     opts = parser.parse_args()
+    if opts.profile_step < 0 or opts.profile_step > opts.throughput_steps:
+        parser.error(f"--profile-step {opts.profile_step}: a step of the throughput runs, 1..{opts.throughput_steps}, "
+                     "or 0 for none")
     opts.seq_len = opts.seq_len or (128 if opts.tiny else 4096)
     opts.throughput_seq_len = opts.throughput_seq_len or (128 if opts.tiny else 8192)
     opts.doc_tokens = opts.doc_tokens or (200 if opts.tiny else 6000)
