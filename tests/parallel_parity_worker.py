@@ -159,7 +159,8 @@ def reference(cfg, args, global_batch: int, tokenizer, device: torch.device):
     batch = {k: v.to(device) for k, v in next(iter(loader)).items()}
     valid = float((batch["labels"] != -100).sum())
     images = {k: batch[k] for k in ("pixel_values", "grid_thws") if k in batch}
-    hidden = model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True, **images)
+    # indexer_metrics: a training indexer counts its KL (in the sparse stage only on measured forwards)
+    hidden = model(batch["input_ids"], doc_ids=batch["doc_ids"], return_hidden=True, indexer_metrics=True, **images)
     loss = LinearCrossEntropyLoss(cfg.training.loss_chunk_size)(model.output, hidden, batch["labels"], valid)
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, model
@@ -219,7 +220,7 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     host = [trainer._local(next(data)) for _ in range(trainer.accum_steps)]
     valid = trainer._step_totals(host)[0]  # as the trainer's step: a host number, a device scalar without PP
     normalizer = valid if trainer.pipeline is not None else torch.full((), valid, dtype=torch.float32, device=device)
-    indexer = trainer._indexer_inputs(host, measure=False)
+    indexer = trainer._indexer_inputs(host, measure=True)  # the KL's value is compared below
     for run in range(2 if name in WARM_STEP else 1):  # the compared gradients: the last run's
         for part in trainer.model_parts:
             part.zero_grad(set_to_none=True)

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from lowerings import ops
-from lowerings.ops.indexer_kl import (attention_lse_op, dense_kl_op, scores_at_op, sparse_target_op)
+from lowerings.ops.indexer_kl import (attention_lse_op, dense_kl_op, scores_at_op, sparse_mla_distilled_op,
+                                     sparse_target_op)
+from lowerings.ops.indexer_kl_reference import row_kl, row_kl_score_grad
 from lowerings.ops.indexer_topk import indexer_topk_reference
 
 H, D, HI, DI = 3, 24, 4, 8
@@ -93,6 +95,55 @@ def test_sparse_kl_over_the_selected_keys_matches_the_float64_truth_with_packed_
     assert_close(got, truth(t, allowed))
 
 
+def _selection(T: int, k: int, t: dict, seg: torch.Tensor):
+    idx = indexer_topk_reference(t["iq"], t["ik"], t["iw"], seg, k, INDEX_SCALE)
+    allowed = torch.zeros(T, T + 1, dtype=torch.bool).scatter_(1, torch.where(idx >= 0, idx.long(), T), True)[:, :T]
+    return idx, allowed
+
+
+def test_sparse_attention_carrying_the_kl_gradient_matches_the_float64_truth_and_sparse_mla():
+    """``sparse_mla_distilled``: out, lse and the q / kv gradients are sparse_mla's; the indexer's gradients are
+    those of sum_t weight_t KL_t (the float64 truth, non-uniform weights), with no KL term in the loss."""
+    seg = packed_seg_start([9, 14, 3])
+    T, k = seg.shape[0], 5
+    t = inputs(T, seed=5)
+    idx, allowed = _selection(T, k, t, seg)
+    assert (idx < 0).any() and (idx >= 0).sum(-1).max() == k
+    dout = torch.randn(T, H, D, generator=torch.Generator().manual_seed(6))
+    weights = torch.linspace(0.5, 1.5, T)
+    leaves = {n: v.clone().requires_grad_() for n, v in t.items()}
+    scores = ops.indexer_scores_at(leaves["iq"], leaves["ik"], leaves["iw"], idx, index_scale=INDEX_SCALE)
+    out, lse = ops.sparse_mla_distilled(leaves["q"], leaves["kv"], idx, scores, weights, scale=SCALE, d_v=D)
+    (out * dout).sum().backward()
+    plain = {n: t[n].clone().requires_grad_() for n in ("q", "kv")}
+    out_ref, lse_ref = ops.sparse_mla(plain["q"], plain["kv"], idx, scale=SCALE, d_v=D)
+    (out_ref * dout).sum().backward()
+    assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
+    for n in ("q", "kv"):
+        assert rel(leaves[n].grad, plain[n].grad) < 1e-6, n
+    kl_ref, grads_ref = truth(t, allowed)
+    for name, r in zip(("iq", "ik", "iw"), grads_ref):
+        assert rel(leaves[name].grad, r) < 1e-5, name
+    kl = ops.sparse_kl_from_scores(t["q"], t["kv"], lse, idx, scores, scale=SCALE)
+    assert rel(kl, kl_ref) < 1e-5
+
+
+def test_closed_form_score_gradient_is_the_row_kl_autograd_with_empty_rows_and_zero_mass():
+    g = torch.Generator().manual_seed(7)
+    scores = torch.randn(6, 9, generator=g, dtype=torch.float64)
+    valid = torch.rand(6, 9, generator=g) < 0.7
+    valid[1] = False  # no valid column
+    p = torch.rand(6, 9, generator=g, dtype=torch.float64) * valid
+    p[2] = 0.0  # no target mass
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-300)
+    s = scores.masked_fill(~valid, float("-inf")).requires_grad_()
+    row_kl(p, s, valid).sum().backward()
+    want = torch.nan_to_num(s.grad, nan=0.0)
+    got = row_kl_score_grad(p, s.detach(), valid)
+    assert torch.isfinite(got).all() and (got[1] == 0).all() and (got[2] == 0).all()
+    assert rel(got, want) < 1e-12
+
+
 def test_selected_mass_is_the_head_mean_of_the_probability_inside_the_subset():
     seg = packed_seg_start([16])
     t = inputs(16, seed=2)
@@ -106,7 +157,9 @@ def test_selected_mass_is_the_head_mean_of_the_probability_inside_the_subset():
     assert rel(ops.selected_mass(lse_sel, lse_all), expected) < 1e-5
 
 
-@pytest.mark.parametrize("op", ["sparse_target", "scores_at", "attention_lse", "dense_kl"])
+# sparse_mla_backward_with_target runs inside sparse_mla_distilled's backward (its AOT-dispatch check); on CPU it
+# is a torch.func.vjp of the reference, which opcheck's own wrappers cannot enter
+@pytest.mark.parametrize("op", ["sparse_target", "scores_at", "attention_lse", "dense_kl", "sparse_mla_distilled"])
 def test_op_schema_fake_and_autograd_registrations(op):
     seg = packed_seg_start([5, 7])
     t = inputs(12, seed=3)
@@ -120,6 +173,11 @@ def test_op_schema_fake_and_autograd_registrations(op):
         "dense_kl": (dense_kl_op, (grad(t["iq"]), grad(t["ik"]), grad(t["iw"]), t["q"], t["kv"], lse, seg, 0,
                                    INDEX_SCALE, SCALE)),
     }
+    if op.startswith("sparse_mla"):
+        scores = scores_at_op(t["iq"], t["ik"], t["iw"], idx, INDEX_SCALE)
+        cases["sparse_mla_distilled"] = (sparse_mla_distilled_op, (grad(t["q"]), grad(t["kv"]), idx, grad(scores),
+                                                                   torch.rand(12), SCALE, D))
+
     fn, args = cases[op]
     torch.library.opcheck(fn, args)
 

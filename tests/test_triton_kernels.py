@@ -243,6 +243,28 @@ def test_sparse_mla_bwd_workspace_chunks(ik):
     assert rel_err(dq, rdq) < 1e-5 and rel_err(dkv, rdkv) < 1e-5
 
 
+@pytest.mark.parametrize("H, bh, chunks", [(3, 16, 1), (20, 16, 1), (20, 16, 3)])
+def test_sparse_mla_bwd_head_mass(ik, H, bh, chunks):
+    """``head_mass``: sum_h P per slot (0 at -1 slots and in the empty row), from one head block or the atomic
+    adds of several (20 heads in blocks of 16), in one or several workspace chunks; dq, dkv unchanged."""
+    q, kv, idx = _sparse_inputs(H=H, seed=7)
+    dout = torch.randn(24, H, DV, generator=torch.Generator().manual_seed(8))
+    out, lse = ik.sparse_mla_fwd.sparse_mla_forward(q, kv, idx, 0.125, DV)
+    per_token = 2 * idx.shape[1] * H * 4
+    kw = dict(workspace_bytes=(24 // chunks + 1) * per_token, dq_config=dict(BLOCK_H=bh, BLOCK_N=16, num_warps=4,
+                                                                              num_stages=1))
+    dq, dkv, mass = ik.sparse_mla_bwd.sparse_mla_backward(dout, q, kv, idx, out, lse, 0.125, DV, head_mass=True, **kw)
+    dq0, dkv0 = ik.sparse_mla_bwd.sparse_mla_backward(dout, q, kv, idx, out, lse, 0.125, DV, **kw)
+    valid = idx >= 0
+    g = kv.double()[idx.long().clamp(min=0)]
+    s = torch.einsum("thd,tkd->thk", q.double(), g) * 0.125
+    p = torch.softmax(s.masked_fill(~valid[:, None, :], float("-inf")), -1).nan_to_num(0.0)
+    assert mass.shape == idx.shape and mass.dtype == torch.float32
+    assert rel_err(mass, p.sum(1)) < 1e-5
+    assert (mass[~valid] == 0).all() and (mass[2] == 0).all()
+    assert torch.equal(dq, dq0) and rel_err(dkv, dkv0) < 1e-6
+
+
 def test_sparse_mla_bf16_causal_docs(ik):
     """bf16 end to end with indexer-style indices: causal, document-local, ascending, -1 suffix."""
     T, H, k = 32, 4, 12

@@ -8,7 +8,8 @@ Given q [T, H, Dqk], kv [S_kv, Dqk], idx [T, k] int32, out [T, H, d_v], dout [T,
        P^T  = exp2(S^T * scale * log2e - lse * log2e)      (masked slots -> 0)
        dP^T = KV_v @ dO^T;  dS^T = P^T * (dP^T - delta) * scale
        dQ^T += KV^T @ dS^T                                 (on chip for the whole row, no atomics)
-   and stores P^T, dS^T (kv dtype) to a [T_chunk, k, H] workspace.
+   and stores P^T, dS^T (kv dtype) to a [T_chunk, k, H] workspace; with `head_mass` it also adds the head
+   block's sum_h P^T per slot into mass [T, k] fp32 (the indexer's distillation target, ops/indexer_kl.py).
 2. dKV kernel, grid (column block of Dqk, token): for each key block,
        dKV[idx] += dS^T @ Q[t] + P^T @ dO[t] (value columns only), the head sum done by the MMA (K = heads),
    then one fp32 atomic per (token, key, column) into an [S_kv, Dqk] buffer, cast to kv's dtype at the end.
@@ -85,12 +86,13 @@ def sparse_mla_bwd_preprocess(out: torch.Tensor, dout: torch.Tensor) -> torch.Te
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, KV, IDX, EXT, DO, LSE, DELTA, DQ, PB, DSB,
+    Q, KV, IDX, EXT, DO, LSE, DELTA, DQ, PB, DSB, MASS,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_dt, stride_dh, stride_lt, stride_dqt, stride_dqh,
     stride_bt, stride_bn,
     t0, H, S_KV, TOPK, qk_scale_log2, sm_scale,
     D_V: tl.constexpr, D_R: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    WITH_MASS: tl.constexpr,
 ):
     tl_ = tl.program_id(0).to(tl.int64)  # token inside the chunk
     t = t0 + tl_
@@ -131,6 +133,8 @@ def _bwd_dq_kernel(
         b_mask = (offs_n < TOPK)[:, None] & h_ok[None, :]
         tl.store(PB + b_off, p.to(PB.dtype.element_ty), mask=b_mask)
         tl.store(DSB + b_off, ds.to(DSB.dtype.element_ty), mask=b_mask)
+        if WITH_MASS:  # this head block's share of sum_h P: one fp32 add per slot and head block, into zeros
+            tl.atomic_add(MASS + t * TOPK + offs_n, tl.sum(p, 1), mask=offs_n < TOPK, sem="relaxed")
         dqn = tl.dot(tl.trans(kn), dsc, dqn, input_precision=DOT_PREC)  # [D_V, BLOCK_H]
         dqr = tl.dot(tl.trans(kr), dsc, dqr, input_precision=DOT_PREC)  # [D_R, BLOCK_H]
 
@@ -258,7 +262,8 @@ def dkv_configs() -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def _autotuned_dq(cfg_key: tuple):
-    return make_autotuner(_bwd_dq_kernel, cfg_key, ["H", "D_V", "D_R"])
+    # reset_to_zero: with WITH_MASS each benchmark run adds into MASS (a 1-element placeholder without it).
+    return make_autotuner(_bwd_dq_kernel, cfg_key, ["H", "D_V", "D_R", "WITH_MASS"], reset_to_zero=["MASS"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -284,8 +289,12 @@ def sparse_mla_backward(
     workspace_bytes: int = 2 << 30,
     dq_config: dict | None = None,
     dkv_config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA backward. Returns (dq [T, H, Dqk] in q's dtype, dkv [S_kv, Dqk] in kv's dtype).
+    head_mass: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Sparse MLA backward. Returns (dq [T, H, Dqk] in q's dtype, dkv [S_kv, Dqk] in kv's dtype), and with
+    `head_mass` also mass [T, k] fp32 = sum_h P[t, h, slot] (0 at -1 slots): the attention's head-summed
+    probabilities, which the dQ kernel has in registers (the indexer's distillation target, without gathering
+    the keys again).
 
     `workspace_bytes` caps the P/dS workspace (tokens are processed in chunks). `dq_config`
     (BLOCK_H, BLOCK_N, num_warps, num_stages) and `dkv_config` (BLOCK_N, BLOCK_D, num_warps, num_stages)
@@ -305,9 +314,10 @@ def sparse_mla_backward(
     d_r = D - d_v
     dq = torch.empty_like(q)
     dkv32 = torch.zeros(S_kv, D, dtype=torch.float32, device=q.device)
+    mass = torch.zeros((T, k) if head_mass else (1,), dtype=torch.float32, device=q.device)
     if T == 0 or H == 0 or k == 0:
         dq.zero_()
-        return dq, dkv32.to(kv.dtype)
+        return (dq, dkv32.to(kv.dtype)) + ((mass,) if head_mass else ())
     delta = sparse_mla_bwd_preprocess(out, dout)
     ext = row_extent(idx, S_kv)
     tune = autotune_enabled(q)
@@ -318,12 +328,13 @@ def sparse_mla_backward(
     chunk = max(1, min(T, 65535, int(workspace_bytes) // per_token))
     pbuf = torch.empty(chunk, k, H, dtype=kv.dtype, device=q.device)
     dsbuf = torch.empty_like(pbuf)
-    dq_meta = dict(D_V=d_v, D_R=d_r, BLOCK_DV=next_pow2(max(d_v, 16)), BLOCK_DR=next_pow2(max(d_r, 16)), **prec)
+    dq_meta = dict(D_V=d_v, D_R=d_r, BLOCK_DV=next_pow2(max(d_v, 16)), BLOCK_DR=next_pow2(max(d_r, 16)),
+                   WITH_MASS=head_mass, **prec)
     hp_a, hp_b = head_split(H)
     dkv_meta = dict(HP_A=hp_a, HP_B=hp_b, **prec)
     for t0 in range(0, T, chunk):
         n = min(chunk, T - t0)
-        dq_args = (q, kv, idx, ext, dout, lse, delta, dq, pbuf, dsbuf,
+        dq_args = (q, kv, idx, ext, dout, lse, delta, dq, pbuf, dsbuf, mass,
                    q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), dout.stride(0), dout.stride(1),
                    lse.stride(0), dq.stride(0), dq.stride(1), pbuf.stride(0), pbuf.stride(1),
                    t0, H, S_kv, k, float(scale) * 1.4426950408889634, float(scale))
@@ -353,4 +364,4 @@ def sparse_mla_backward(
             c["BLOCK_D"] = min(c["BLOCK_D"], next_pow2(max(d_r, 16)))
             launch(_bwd_dkv_kernel, (triton.cdiv(d_r, c["BLOCK_D"]), n), *dkv_args(d_v, D), HAS_V=False,
                    **dkv_meta, **c)
-    return dq, dkv32.to(kv.dtype)
+    return (dq, dkv32.to(kv.dtype)) + ((mass,) if head_mass else ())

@@ -2,7 +2,8 @@
 
 from lowerings.ops.attention import causal_attention, document_causal_mask
 from lowerings.ops.attn_res_mix import attn_res_mix
-from lowerings.ops.indexer_kl import attention_lse, dense_indexer_kl, selected_mass, sparse_indexer_kl
+from lowerings.ops.indexer_kl import (attention_lse, dense_indexer_kl, indexer_scores_at, selected_mass,
+                                     sparse_indexer_kl, sparse_kl_from_scores, sparse_mla_distilled)
 from lowerings.ops.indexer_topk import indexer_topk
 from lowerings.ops.kda import kda
 from lowerings.ops.kda_cp import kda_context_parallel
@@ -19,6 +20,7 @@ __all__ = [
     "configure_backends",
     "dense_indexer_kl",
     "document_causal_mask",
+    "indexer_scores_at",
     "indexer_topk",
     "kda",
     "kda_context_parallel",
@@ -29,5 +31,7 @@ __all__ = [
     "selected_mass",
     "situ_glu",
     "sparse_indexer_kl",
+    "sparse_kl_from_scores",
     "sparse_mla",
+    "sparse_mla_distilled",
 ]

@@ -7,10 +7,14 @@ docs/ops.md), backend ``kernels.indexer_distillation``:
   from the sparse-MLA forward's queries, latent keys and per-head LSE (no gradient);
 * ``indexer_scores_at``: the indexer's scores at the selected keys, differentiable in its q, k and weights;
 * ``attention_lse``: the main attention's per-head LSE over every causal key of the document (no gradient);
-* ``indexer_dense_kl``: the KL over every causal key, blockwise (no ``[T, T]`` tensor), with its backward.
+* ``indexer_dense_kl``: the KL over every causal key, blockwise (no ``[T, T]`` tensor), with its backward;
+* ``sparse_mla_distilled``: ``sparse_mla`` whose backward also gives the indexer's scores at the selected keys
+  the gradient of their KL: the target comes from the probabilities the sparse-MLA backward recomputes anyway
+  (``sparse_mla_backward_with_target``), so the sparse stage gathers the selected keys no more often than a
+  frozen indexer does.
 
-``sparse_indexer_kl`` composes the first two with the row KL (plain torch, which a compile fuses). The main
-attention's tensors enter detached: the KL trains the indexer only.
+``sparse_indexer_kl`` composes the first two with the row KL (plain torch, which a compile fuses): the KL's
+value. The main attention's tensors enter detached: the KL trains the indexer only.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from __future__ import annotations
 import torch
 
 from lowerings.ops.indexer_kl_reference import (attention_lse_reference, dense_kl_backward_reference,
-                                                dense_kl_reference, row_kl, scores_at_backward_reference,
-                                                scores_at_reference, sparse_target_reference)
+                                                dense_kl_reference, normalise, row_kl, row_kl_score_grad,
+                                                scores_at_backward_reference, scores_at_reference,
+                                                sparse_target_reference)
 from lowerings.ops.registry import cuda_available, op_backends, selected_backend
+from lowerings.ops.sparse_mla import backward_kernel, forward_by_backend, sparse_mla_backward_op
 
 BACKENDS = op_backends("indexer_distillation")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
@@ -89,6 +95,58 @@ def _scores_backward(ctx, d_scores):
 
 
 torch.library.register_autograd("titan_kimi::indexer_scores_at", _scores_backward, setup_context=_scores_setup)
+
+
+# ---------------------------------------------------------------- sparse attention carrying the KL's gradient
+@torch.library.custom_op("titan_kimi::sparse_mla_backward_with_target", mutates_args=())
+def sparse_mla_backward_with_target_op(d_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+                                       out: torch.Tensor, lse: torch.Tensor, scale: float,
+                                       d_v: int) -> list[torch.Tensor]:
+    """[dq, dkv, target p [T,k] fp32] (``sparse_target`` of the forward's lse). The Triton backward sums its
+    recomputed probabilities over the heads on chip; the other backward kernels leave the target to
+    ``indexer_sparse_target``."""
+    if backward_kernel(selected_backend("sparse_mla"), q, kv, idx, d_v) == "triton":
+        from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
+
+        dq, dkv, mass = sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v, head_mass=True)
+        return [dq, dkv, normalise(mass)]
+    dq, dkv = sparse_mla_backward_op(d_out, q, kv, idx, out, lse, scale, d_v)
+    return [dq, dkv, sparse_target_op(q, kv, lse, idx, scale)]
+
+
+@sparse_mla_backward_with_target_op.register_fake
+def _(d_out, q, kv, idx, out, lse, scale, d_v):
+    return [torch.empty_like(q), torch.empty_like(kv), q.new_empty(idx.shape, dtype=torch.float32)]
+
+
+@torch.library.custom_op("titan_kimi::sparse_mla_distilled", mutates_args=())
+def sparse_mla_distilled_op(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,
+                            weight: torch.Tensor, scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_by_backend(q, kv, idx, scale, d_v)
+
+
+@sparse_mla_distilled_op.register_fake
+def _(q, kv, idx, scores, weight, scale, d_v):
+    T, H, _ = q.shape
+    return q.new_empty((T, H, d_v)), q.new_empty((T, H), dtype=torch.float32)
+
+
+def _distilled_setup(ctx, inputs, output):
+    q, kv, idx, scores, weight, scale, d_v = inputs
+    ctx.save_for_backward(q, kv, idx, scores, weight, *output)
+    ctx.mark_non_differentiable(output[1])
+    ctx.static = (scale, d_v)
+
+
+def _distilled_backward(ctx, d_out, d_lse):
+    q, kv, idx, scores, weight, out, lse = ctx.saved_tensors
+    dq, dkv, target = sparse_mla_backward_with_target_op(d_out.contiguous(), q, kv, idx, out, lse, *ctx.static)
+    d_scores = weight.unsqueeze(-1) * row_kl_score_grad(target, scores.detach(), idx >= 0)
+    return dq, dkv, None, d_scores, None, None, None
+
+
+torch.library.register_autograd("titan_kimi::sparse_mla_distilled", _distilled_backward,
+                                setup_context=_distilled_setup)
 
 
 # ---------------------------------------------------------------- every causal key
@@ -204,6 +262,45 @@ def sparse_indexer_kl(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, q: t
                               scale)
     scores = scores_at_op(iq.contiguous(), ik.contiguous(), iw.contiguous(), idx, index_scale)
     return row_kl(target, scores, idx >= 0)
+
+
+def sparse_mla_distilled(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,
+                         weight: torch.Tensor, *, scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_mla(q, kv, idx)`` (``out``, ``lse``) whose backward also gives ``scores [T,k]`` (the indexer's
+    scores at ``idx``, from ``indexer_scores_at``) the gradient of ``sum_t weight[t] KL_t``, KL_t as in
+    ``sparse_indexer_kl`` with this attention as the target (detached: the KL trains the indexer only). As if
+    that sum had been added to the loss; ``out`` and the gradients of ``q`` and ``kv`` are sparse_mla's."""
+    T = q.shape[0]
+    if q.dim() != 3 or kv.dim() != 2 or kv.shape[1] != q.shape[2] or d_v > q.shape[2]:
+        raise ValueError(f"sparse_mla_distilled expects q [T,H,D], kv [S,D], d_v <= D; got q {tuple(q.shape)}, "
+                         f"kv {tuple(kv.shape)}, d_v {d_v}")
+    if idx.dim() != 2 or idx.shape[0] != T or idx.dtype != torch.int32 or scores.shape != idx.shape or \
+            weight.shape != (T,):
+        raise ValueError(f"sparse_mla_distilled expects int32 idx [T={T},k], scores [T,k] and weight [T]; got idx "
+                         f"{idx.dtype} {tuple(idx.shape)}, scores {tuple(scores.shape)}, weight {tuple(weight.shape)}")
+    return sparse_mla_distilled_op(q.contiguous(), kv.contiguous(), idx.contiguous(), scores.contiguous(),
+                                   weight.detach().float().contiguous(), scale, d_v)
+
+
+def indexer_scores_at(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, idx: torch.Tensor, *,
+                      index_scale: float) -> torch.Tensor:
+    """The indexer's scores ``[T,k]`` fp32 at ``idx`` (int32, -1 = empty: -inf there), differentiable in
+    ``iq``, ``ik``, ``iw``."""
+    _check_indexer(iq, ik, iw, iq.shape[0], "indexer_scores_at")
+    if idx.dim() != 2 or idx.shape[0] != iq.shape[0] or idx.dtype != torch.int32:
+        raise ValueError(f"indexer_scores_at expects int32 idx [T={iq.shape[0]},k]; got {idx.dtype} "
+                         f"{tuple(idx.shape)}")
+    return scores_at_op(iq.contiguous(), ik.contiguous(), iw.contiguous(), idx.contiguous(), index_scale)
+
+
+def sparse_kl_from_scores(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor,
+                          scores: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """KL_t ``[T]`` of ``sparse_indexer_kl`` from the indexer's scores at ``idx`` (no gradient: the value)."""
+    _check_main(q, kv, lse, "sparse_kl_from_scores")
+    with torch.no_grad():
+        target = sparse_target_op(q.detach().contiguous(), kv.detach().contiguous(), lse.detach().contiguous(),
+                                  idx.contiguous(), scale)
+        return row_kl(target, scores.detach(), idx >= 0)
 
 
 def dense_indexer_kl(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,

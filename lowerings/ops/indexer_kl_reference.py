@@ -63,6 +63,16 @@ def row_kl(p: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.
     return terms.sum(-1)
 
 
+def row_kl_score_grad(p: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """d row_kl(p, scores, valid) / d scores, closed form: ``(sum p) softmax(scores) - p`` on the valid columns
+    (0 elsewhere and on rows without a valid column)."""
+    masked = scores.masked_fill(~valid, float("-inf"))
+    masked = torch.where(valid.any(-1, keepdim=True), masked, torch.zeros_like(masked))
+    q = torch.softmax(masked, dim=-1)
+    p = torch.where(valid, p, torch.zeros_like(p))
+    return torch.where(valid, p.sum(-1, keepdim=True) * q - p, torch.zeros_like(p))
+
+
 def normalise(u: torch.Tensor) -> torch.Tensor:
     total = u.sum(-1, keepdim=True)
     return torch.where(total > 0, u / total.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(u))

@@ -126,7 +126,7 @@ def sparse_mla_dense(
 
 def forward_kernel(backend: str, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, d_v: int,
                    *, cuda: bool | None = None) -> str:
-    """The forward ``_forward`` runs for this call under ``backend`` (its row of ``SPARSE_MLA_KERNELS``, then
+    """The forward ``forward_by_backend`` runs for this call under ``backend`` (its row of ``SPARSE_MLA_KERNELS``, then
     ``SHAPE_RULES``). ``cuda`` (default ``q.is_cuda``) lets tests ask for the GPU decision with CPU tensors."""
     cuda = q.is_cuda if cuda is None else cuda
     return _kernel_for(SPARSE_MLA_KERNELS[backend].forward, q, kv, idx, d_v, cuda)
@@ -139,7 +139,8 @@ def backward_kernel(backend: str, q: torch.Tensor, kv: torch.Tensor, idx: torch.
     return _kernel_for(SPARSE_MLA_KERNELS[backend].backward, q, kv, idx, d_v, cuda)
 
 
-def _forward(q, kv, idx, scale, d_v):
+def forward_by_backend(q, kv, idx, scale, d_v):
+    """(out, lse) from the forward kernel the resolved ``kernels.sparse_mla`` backend runs for this call."""
     kernel = forward_kernel(selected_backend("sparse_mla"), q, kv, idx, d_v)
     if kernel == "flash_mla":
         from lowerings.kernels.flash_mla_sparse import flash_mla_sparse_forward
@@ -158,7 +159,7 @@ def _forward(q, kv, idx, scale, d_v):
 def sparse_mla_op(
     q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, d_v: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, kv, idx, scale, d_v)
+    return forward_by_backend(q, kv, idx, scale, d_v)
 
 
 @sparse_mla_op.register_fake

@@ -1,9 +1,10 @@
 """Times the indexer-distillation kernels beside the layer's own sparse MLA at one DSA layer's shape. `python scripts/bench/indexer_kl.py --out DIR [--tokens 8192] [--heads 16]`
 
 At k31_small's shape (16 heads x 576, a 64 x 128 indexer, top-2,048) over one row of --tokens tokens: the sparse
-stage's ops (target mass, scores at the selected keys, their backward), the warm-up's (attention LSE, dense KL,
-its backward), and for scale the sparse-MLA forward and backward they sit beside, each the median CUDA-event time
-of 20 calls. Writes DIR/indexer_kl_bench.json and prints a table (~1 minute on an H200, kernel JIT included).
+stage's ops (target mass, scores at the selected keys, their backward, the latter also at each tile config of
+SCORES_BACKWARD_CONFIGS), the warm-up's (attention LSE, dense KL, its backward), and the sparse-MLA forward and
+backward they sit beside (the backward's kernels with and without the head-summed target), each the median
+CUDA-event time of 20 calls. Writes DIR/indexer_kl_bench.json and prints a table (~1 minute on an H200, kernel JIT included).
 """
 
 from __future__ import annotations
@@ -19,9 +20,14 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 import torch  # noqa: E402
 
 from timing import median_cuda_ms, package_versions  # noqa: E402  (scripts/bench/ is sys.path[0])
-from lowerings.kernels import indexer_kl  # noqa: E402
+from lowerings.kernels import indexer_kl, sparse_mla_bwd  # noqa: E402
 from lowerings.ops import configure_backends, sparse_mla  # noqa: E402
 from lowerings.ops.indexer_topk import indexer_topk  # noqa: E402
+
+
+# tiles of the scores backward tried beside its default (keys per step, warps, pipeline stages)
+SCORES_BACKWARD_CONFIGS = [dict(BLOCK_N=n, BLOCK_H=64, num_warps=w, num_stages=st)
+                           for n, w, st in ((64, 8, 2), (32, 4, 2), (32, 4, 3), (128, 8, 2), (64, 8, 3), (32, 8, 2))]
 
 
 def main() -> int:
@@ -51,6 +57,7 @@ def main() -> int:
     q_req, kv_req = q.clone().requires_grad_(), kv.clone().requires_grad_()
     out, _ = sparse_mla(q_req, kv_req, idx, scale=scale, d_v=512)
     d_out = torch.randn_like(out)
+    out_k = out.detach()
     cases = {
         "sparse: target mass": lambda: indexer_kl.sparse_target(q, kv, lse, idx, scale),
         "sparse: scores at selected": lambda: indexer_kl.scores_at(iq, ik, iw, idx, iscale),
@@ -61,8 +68,15 @@ def main() -> int:
                                                                           stats, 0, iscale, scale),
         "layer: sparse MLA forward": lambda: sparse_mla(q, kv, idx, scale=scale, d_v=512),
         "layer: sparse MLA backward": lambda: torch.autograd.grad(out, (q_req, kv_req), d_out, retain_graph=True),
+        "layer: sparse MLA backward kernels": lambda: sparse_mla_bwd.sparse_mla_backward(
+            d_out, q, kv, idx, out_k, lse, scale, 512),
+        "sparse: sparse MLA backward kernels + target": lambda: sparse_mla_bwd.sparse_mla_backward(
+            d_out, q, kv, idx, out_k, lse, scale, 512, head_mass=True),
         "layer: indexer top-k": lambda: indexer_topk(iq, ik, iw, seg, topk=opts.topk, scale=iscale),
     }
+    for c in SCORES_BACKWARD_CONFIGS:
+        name = f"sparse: scores backward N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+        cases[name] = lambda c=c: indexer_kl.scores_at_backward(d_scores, iq, ik, iw, idx, iscale, config=c)
     times = {name: median_cuda_ms(fn, warmup=3, repeats=20) for name, fn in cases.items()}
     result = {"tokens": T, "heads": H, "topk": opts.topk, "device": torch.cuda.get_device_name(), "ms": times,
               "versions": package_versions(("torch", "triton")), "command": " ".join(sys.argv)}

@@ -4,14 +4,17 @@
 
 * ``warmup``: the DSA layers attend densely; the indexer's softmax over every causal key of the document learns
   the main attention's head-summed, L1-normalised probabilities (KL, blockwise: ``ops.dense_indexer_kl``).
-* ``sparse``: the DSA layers attend to the indexer's top-k; the KL runs over the selected keys only, from the
-  sparse-MLA forward's LSE (``ops.sparse_indexer_kl``). Batches whose queries all have at most top-k causal keys
+* ``sparse``: the DSA layers attend to the indexer's top-k; the KL runs over the selected keys only. Its
+  gradient comes from the sparse attention's backward (``ops.sparse_mla_distilled``: the target is the
+  head-summed probabilities that backward recomputes), its value (``ops.sparse_kl_from_scores``, from the
+  forward's LSE) only on measured (logging) forwards. Batches whose queries all have at most top-k causal keys
   (``seq.dsa_dense``) attend densely, and their selection being every causal key, the KL is the dense one.
 
 The indexer reads detached inputs and its top-k is hard, so the main model learns only from the LM loss; the
-main attention's tensors enter the KL detached, so the indexer learns only from the KL. Each layer's KL sum
-joins the backward through `attach_loss` on the layer's output: its gradient reaches the indexer whatever
-runs the backward (a pipeline schedule included), and the LM loss is unchanged.
+main attention's tensors enter the KL detached, so the indexer learns only from the KL. The KL's gradient joins
+the backward through the layer's output (`attach_loss` for the dense KL, the attention's own backward for the
+sparse one): it reaches the indexer whatever runs the backward (a pipeline schedule included), and the LM loss
+is unchanged.
 
 Per query, the KL counts over real tokens (not padding); the recall, measured when ``seq.indexer_metrics``, is
 the share of the main attention's probability mass (dense, averaged over heads) inside the selected top-k,
@@ -42,7 +45,8 @@ class DistilledMLA(Protocol):
                         seq: SequenceInfo) -> torch.Tensor: ...
 
     def sparse_attention(self, q_latent: torch.Tensor, kv_latent: torch.Tensor, indices: torch.Tensor, B: int,
-                         S: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+                         S: int, distill: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -112,6 +116,10 @@ def distilled_attention(mla: DistilledMLA, x: torch.Tensor, q: torch.Tensor, q_l
     training = torch.is_grad_enabled()
     dense = indexer.training_mode == "warmup" or seq.dsa_dense
     real = _real(seq, T, x.device)
+    queries = real.sum().float()
+    scale = seq.indexer_loss_scale
+    if scale is None:  # the mean over this forward's real queries and every DSA layer
+        scale = 1.0 / (queries.clamp(min=1.0) * indexer.layers_with_indexer)
     if dense:
         out = mla.dense_attention(q, c_kv, k_rope, seq)
         if not training:
@@ -125,22 +133,25 @@ def distilled_attention(mla: DistilledMLA, x: torch.Tensor, q: torch.Tensor, q_l
                 lse_selected = ops.sparse_mla(q_lat.detach(), kv_flat, idx, scale=mla.scale, d_v=mla.kv_lora_rank)[1]
     else:
         idx = indexer.select(iq, ik, iw, seq)
-        out, lse_selected = mla.sparse_attention(q_lat, latent.reshape(-1, latent.shape[-1]), idx, B, S)
+        latent_flat = latent.reshape(-1, latent.shape[-1])
         if not training:
-            return out
-        kl = ops.sparse_indexer_kl(iq, ik_rows.reshape(-1, ik_rows.shape[-1]), iw, q_lat.detach(), kv_flat,
-                                   lse_selected, idx, index_scale=indexer.scale, scale=mla.scale)
-        lse_all = _dense_lse(q_lat.detach(), kv_rows, seq, mla.scale) if seq.indexer_metrics else None
-    kl = torch.where(real, kl, torch.zeros_like(kl))
-    queries = real.sum().float()
+            return mla.sparse_attention(q_lat, latent_flat, idx, B, S)[0]
+        # the KL's gradient reaches the scores from the attention's backward, whose recomputed probabilities
+        # are the target; its value is measured on logging steps only (it needs the target in the forward)
+        scores = ops.indexer_scores_at(iq, ik_rows.reshape(-1, ik_rows.shape[-1]), iw, idx, index_scale=indexer.scale)
+        weight = torch.where(real, scale, 0.0) if isinstance(scale, torch.Tensor) else real.float() * scale
+        out, lse_selected = mla.sparse_attention(q_lat, latent_flat, idx, B, S, distill=(scores, weight))
+        kl, lse_all = None, None
+        if seq.indexer_metrics:
+            kl = ops.sparse_kl_from_scores(q_lat.detach(), kv_flat, lse_selected, idx, scores, scale=mla.scale)
+            lse_all = _dense_lse(q_lat.detach(), kv_rows, seq, mla.scale)
     mass_sum = mass_queries = torch.zeros((), dtype=torch.float32, device=x.device)
     if lse_selected is not None and lse_all is not None:
         counted = real & (_causal_keys(seq, x.device) > indexer.topk)
         mass = ops.selected_mass(lse_selected.detach(), lse_all)
         mass_sum, mass_queries = torch.where(counted, mass, torch.zeros_like(mass)).sum(), counted.sum().float()
-    kl_sum = kl.sum()
+    if kl is None:  # sparse, not measured: the KL's gradient comes through sparse_mla_distilled, no value
+        return out
+    kl_sum = torch.where(real, kl, torch.zeros_like(kl)).sum()
     indexer.record(kl_sum.detach(), queries, mass_sum, mass_queries)
-    scale = seq.indexer_loss_scale
-    if scale is None:  # the mean over this forward's real queries and every DSA layer
-        scale = 1.0 / (queries.clamp(min=1.0) * indexer.layers_with_indexer)
-    return attach_loss(out, kl_sum * scale)
+    return out if not dense else attach_loss(out, kl_sum * scale)

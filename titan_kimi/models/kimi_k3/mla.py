@@ -90,12 +90,18 @@ class GatedMLA(nn.Module):
         return torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_k), q_rope], dim=-1)
 
     def sparse_attention(self, q_latent: torch.Tensor, kv_latent: torch.Tensor, indices: torch.Tensor, B: int,
-                         S: int) -> tuple[torch.Tensor, torch.Tensor]:
+                         S: int, distill: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of the absorbed queries to the selected rows of ``kv_latent [rows' keys, kv_lora+rope]``:
-        ``out [B,S,n,v]`` and the per-head LSE ``[T,n]``."""
+        ``out [B,S,n,v]`` and the per-head LSE ``[T,n]``. ``distill`` = (the indexer's scores at ``indices``,
+        per-query KL weights): the backward also gives the scores their KL's gradient (indexer training)."""
         n = self.n_heads
         w_v = linear_weight(self.kv_b_proj).view(n, self.nope + self.v_dim, self.kv_lora_rank)[:, self.nope :]
-        out_latent, lse = ops.sparse_mla(q_latent, kv_latent, indices, scale=self.scale, d_v=self.kv_lora_rank)
+        if distill is None:
+            out_latent, lse = ops.sparse_mla(q_latent, kv_latent, indices, scale=self.scale, d_v=self.kv_lora_rank)
+        else:
+            out_latent, lse = ops.sparse_mla_distilled(q_latent, kv_latent, indices, *distill, scale=self.scale,
+                                                       d_v=self.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_latent, w_v).view(B, S, n, self.v_dim), lse
 
     def init_weights(self) -> None:

@@ -16,7 +16,9 @@ from titan_kimi.parallel.distributed import all_reduce_sum
 
 @dataclass(frozen=True)
 class IndexerReading:
-    kl: float | None  # mean KL per real query and DSA layer since the last reading; None: no query counted
+    # mean KL per real query and DSA layer over the forwards that measured it since the last reading (every
+    # forward in the warm-up; in the sparse stage the measured, logging, ones); None: no query counted
+    kl: float | None
     recall: float | None  # mean recall over the counted queries of the measured forwards; None: none counted
 
 
