@@ -86,16 +86,10 @@ def check_layout(cfg: JobConfig, world_size: int | None = None, args: KimiK3Mode
     (``titan_kimi.config.parallelism.check_degrees``, which ``validate_job_config`` runs alone); against the model
     (routed experts, the pipeline's stages of whole AttnRes blocks and its microbatches, the KDA window under CP)
     when ``args`` are given; ``image_text``: the model has a vision tower. Returns the layout when both are given,
-    else None.
-
-    Errors are ``ConfigError`` (a ValueError) naming the config key, its value, where it came from when
-    ``source_of`` knows (``validate_job_config``'s sources), and what would be valid."""
+    else None. Errors are ``ConfigError``s, as ``check_degrees`` raises them."""
     p, t = cfg.parallelism, cfg.training
     check = LayoutCheck(cfg, source_of)
-    rep, cp, pp, ep = (p.data_parallel_replicate_degree, p.context_parallel_degree, p.pipeline_parallel_degree,
-                       p.expert_parallel_degree)
-    mb, local = p.pipeline_parallel_microbatch_size, t.local_batch_size
-    if args is not None and args.num_experts % ep:  # first: no other degree helps then
+    if args is not None and args.num_experts % p.expert_parallel_degree:  # first: no other degree helps then
         raise check.reject("parallelism.expert_parallel_degree",
                            f"does not divide the number of routed experts ({args.num_experts})",
                            f"a divisor of {args.num_experts} that divides data_parallel_shard x context_parallel")
@@ -103,6 +97,9 @@ def check_layout(cfg: JobConfig, world_size: int | None = None, args: KimiK3Mode
     # ---- against the model
     if args is None:
         return None
+    rep, cp, pp, ep = (p.data_parallel_replicate_degree, p.context_parallel_degree, p.pipeline_parallel_degree,
+                       p.expert_parallel_degree)
+    mb, local = p.pipeline_parallel_microbatch_size, t.local_batch_size
     chunks = cp_chunks(p.context_parallel_layout, cp)
     window = args.kda_conv_size - 1  # the earlier tokens a KDA short convolution reads: from the previous piece
     if cp > 1 and t.seq_len // chunks < window:
