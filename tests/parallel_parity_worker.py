@@ -27,7 +27,7 @@ from titan_kimi.config import load_job_config
 from titan_kimi.data import build_dataloader
 from titan_kimi.data.image_processor import ImageProcessor
 from titan_kimi.lora import is_adapter_parameter, merged_tensors, save_adapters
-from titan_kimi.parallel.distributed import DistEnv
+from titan_kimi.training.process.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.trainer import Trainer
 from titan_kimi.training.setup.build import build_model_from_config, model_args_from_config, tokenizer_from_config

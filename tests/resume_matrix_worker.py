@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from resume_runs import SHIPPED, STEPS, build, differences, relative_errors, run
-from titan_kimi.parallel.distributed import DistEnv
+from titan_kimi.training.process.distributed import DistEnv
 
 LAYOUTS = {
     "fsdp2": ["--training.local_batch_size", "1"],

@@ -12,6 +12,7 @@ import torch
 
 from test_checkpoint_hf import VISION, build_model, empty_like_model, hf_layout, read_all, write_hf
 from titan_kimi.checkpoint import CheckpointManager, checkpoint_format, load_hf_checkpoint, load_model_weights
+from titan_kimi.models.kimi_k3.state_dict_adapter import hf_vision_config
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tools" / "convert_checkpoint.py"
 _spec = importlib.util.spec_from_file_location("convert_checkpoint", SCRIPT)
@@ -197,7 +198,7 @@ def test_an_image_text_training_checkpoint_keeps_its_tower_through_dcp_hf_dcp(tm
     assert vision == public_vision_keys(model.vision_args.n_layers)
     assert all(torch.equal(tensors[k], model.state_dict()[k]) for k in vision)
     config = json.loads((out / "config.json").read_text())
-    assert config["vision_config"] == model.vision_args.hf_config(text_hidden_size=args.dim)
+    assert config["vision_config"] == hf_vision_config(model.vision_args, text_hidden_size=args.dim)
     export_hf_checkpoint(model, tmp_path / "exported", dtype=torch.float32)  # one mapping: the export's checkpoint
     assert_same_checkpoint(out, tmp_path / "exported")
 

@@ -18,7 +18,7 @@ from lowerings.ops.registry import emits_formula, triton_ops_enabled
 from titan_kimi.config.sections import Compile
 from titan_kimi.models.kimi_k3 import KimiK3Model, build_sequence_info, model_args_for
 from titan_kimi.models.kimi_k3.block import KimiK3Block
-from titan_kimi.compile.apply import apply_compile
+from titan_kimi.parallel.compile import apply_compile
 
 ROOT = Path(__file__).parents[1]
 

@@ -5,7 +5,8 @@ import time
 import pytest
 import torch
 
-from titan_kimi.compile.report import CompileReport, TritonJitClock, process_start_time
+from titan_kimi.compile.report import CompileReport, TritonJitClock
+from titan_kimi.training.process.start_time import process_start_time
 
 
 def test_first_step_reports_compile_and_a_quiet_step_reports_nothing():

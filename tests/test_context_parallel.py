@@ -80,7 +80,7 @@ def test_one_rank_zigzag_passes_state_and_halo_between_its_two_pieces(one_rank_g
 def test_context_parallel_paths_compile_as_one_graph_per_block(one_rank_group):
     """The exchange's all-gathers (functional collectives), the halo, the state passing and the DSA's query runs
     trace into each block's graph (fullgraph=True), and the compiled model gives the eager one's results."""
-    from titan_kimi.compile.apply import apply_compile
+    from titan_kimi.parallel.compile import apply_compile
 
     args = model_args_for("k31_debug")
     torch.manual_seed(0)

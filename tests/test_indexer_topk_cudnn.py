@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lowerings.kernels import cudnn_indexer_topk as cik
-from lowerings.ops.indexer_topk import BACKENDS, indexer_topk_reference
+from lowerings.ops.indexer_topk import BACKENDS, INDEXER_TOPK_KERNELS, forward_kernel, indexer_topk_reference
 from lowerings.ops.registry import configure_backends
 
 
@@ -221,7 +221,6 @@ def call(HI=64, D=128, dtype=torch.bfloat16, T=8192, cuda=True):
     (dict(D=64), 2048, "needs head dim 128, got 64"),
     (dict(HI=8), 2048, r"needs \(16, 32, 64\) index heads, got 8"),
     (dict(), 4096, "top-k 4096 exceeds the radix kernel's 2048"),
-    (dict(cuda=False), 2048, "needs CUDA tensors"),
 ])
 def test_calls_the_kernels_cannot_take_say_why(change, topk, reason):
     assert re.fullmatch(reason, cik.cudnn_takes(*call(**change), topk))
@@ -230,6 +229,19 @@ def test_calls_the_kernels_cannot_take_say_why(change, topk, reason):
 def test_the_k31_shape_is_taken():
     assert cik.cudnn_takes(*call(), 2048) is None
     assert cik.cudnn_takes(*call(T=1000), 2048) is None  # a short row: top-k is cut to its 1,000 keys
+
+
+def test_forward_kernel_routing():
+    """The op's rule table: cudnn's refusals run the Triton kernel, CPU tensors the reference."""
+    assert forward_kernel("cudnn", *call(), 2048) == "cudnn"
+    assert forward_kernel("cudnn", *call(dtype=torch.float32), 2048) == "triton"
+    assert forward_kernel("cudnn", *call(HI=8), 2048) == "triton"
+    assert forward_kernel("cudnn", *call(), 4096) == "triton"
+    assert forward_kernel("triton", *call(dtype=torch.float32), 2048) == "triton"
+    assert forward_kernel("cudnn", *call(cuda=False), 2048) == forward_kernel("triton", *call(cuda=False), 2048) \
+        == forward_kernel("reference", *call(), 2048) == "reference"
+    assert forward_kernel("cudnn", *call(cuda=False), 2048, cuda=True) == "cudnn"  # the GPU decision, asked on CPU
+    assert set(INDEXER_TOPK_KERNELS) == set(BACKENDS.checks)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")

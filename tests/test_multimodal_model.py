@@ -12,7 +12,8 @@ from titan_kimi.checkpoint import export_hf_checkpoint
 from titan_kimi.lora import LoRASettings, apply_lora, reset_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
 from titan_kimi.models.kimi_k3.multimodal import KimiK3VLModel
-from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs, vision_args_for
+from titan_kimi.models.kimi_k3.state_dict_adapter import hf_vision_config, vision_args_from_hf_config
+from titan_kimi.models.kimi_k3.vision_args import vision_args_for
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 
 IMG = 1813
@@ -114,7 +115,7 @@ def write_public_checkpoint(model, folder, *, extra=None, drop=()):
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"))
     config = hf_config(model.args)  # the composite kimi_k3 config: text_config ...
-    config.update(media_placeholder_token_id=IMG, vision_config=model.vision_args.hf_config(model.args.dim))
+    config.update(media_placeholder_token_id=IMG, vision_config=hf_vision_config(model.vision_args, model.args.dim))
     (folder / "config.json").write_text(json.dumps(config))
     return tensors
 
@@ -136,7 +137,7 @@ def test_hf_checkpoint_with_vision_keys_loads_into_the_image_text_model(tmp_path
     assert torch.equal(target(tokens, pixel_values=pixels, grid_thws=grids, doc_ids=doc_ids),
                        source(tokens, pixel_values=pixels, grid_thws=grids, doc_ids=doc_ids))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert KimiK3VisionArgs.from_hf_config(config) == source.vision_args
+    assert vision_args_from_hf_config(config) == source.vision_args
     # A text model reads the same checkpoint and skips the vision keys.
     text = KimiK3Model(source.args)
     assert len(load_hf_checkpoint(text, tmp_path / "hf").skipped) == len(
@@ -158,7 +159,7 @@ def test_export_round_trip_carries_the_vision_config(tmp_path):
     source = build()
     export_hf_checkpoint(source, tmp_path / "out", dtype=torch.float32)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert KimiK3VisionArgs.from_hf_config(config) == source.vision_args
+    assert vision_args_from_hf_config(config) == source.vision_args
     target = build(seed=3)
     load_hf_checkpoint(target, tmp_path / "out")
     tokens, pixels, grids, doc_ids = batch()

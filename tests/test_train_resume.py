@@ -6,7 +6,7 @@ import torch
 
 from titan_kimi.trainer import Trainer
 from titan_kimi.config import load_job_config
-from titan_kimi.parallel.distributed import DistEnv
+from titan_kimi.training.process.distributed import DistEnv
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.training.setup.build import model_args_from_config
 

@@ -3,6 +3,8 @@
 per-segment CPU stand-in for FlashAttention's kernel; the calls it cannot take run as sdpa on CPU and as flex
 where flex runs; the op traces (meta tensors, a fullgraph compile) with its backward."""
 
+from types import MappingProxyType
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,7 +57,26 @@ def test_head_dims_and_what_it_cannot_take():
     assert "bf16 or fp16" in varlen_takes(q.float(), q.float(), v.float())
     assert "as many keys as queries" in varlen_takes(q, bf16(1, 16, 2, 192), bf16(1, 16, 2, 128))
     assert "exceed FlashAttention's 256" in varlen_takes(bf16(1, 8, 2, 320), bf16(1, 8, 2, 320), v)
-    assert varlen_takes(q, q, v) == "needs CUDA tensors"
+    assert varlen_takes(q, q, v) is None  # the device is the op's rule (OFF_CUDA)
+
+
+def test_forward_kernel_routing():
+    """The op's rule table: each backend's kernel, sdpa off CUDA for varlen, then varlen's refusals to flex and
+    flex's to sdpa (plain causal rows take sdpa's is_causal kernel under every backend)."""
+    seq = packed()
+    bf16 = torch.randn(2, 96, 2, 64, dtype=torch.bfloat16)
+    docs = dict(seg_start=seq.seg_start, cu_seqlens=seq.cu_seqlens)
+    kernel = lambda backend, q=bf16, **kw: attention.forward_kernel(backend, q, q, q, **kw)
+    assert kernel("varlen", **docs, cuda=True) == "varlen"
+    assert kernel("varlen", **docs) == "sdpa"  # CPU tensors
+    assert kernel("varlen", q=bf16.float(), **docs, cuda=True) == "flex"  # fp32: flex on CUDA
+    assert kernel("varlen", seg_start=seq.seg_start, cuda=True) == "flex"  # no cu_seqlens
+    placed = dict(docs, q_positions=torch.arange(96).expand(2, 96))
+    assert kernel("varlen", **placed, cuda=True) == "flex"  # context parallelism's placed queries
+    assert kernel("varlen", cuda=True) == kernel("flex", cuda=True) == kernel("sdpa") == "sdpa"  # plain causal
+    assert kernel("flex", **docs) == kernel("flex", **docs, cuda=True) == "flex"  # flex runs anywhere
+    assert kernel("sdpa", **docs, cuda=True) == "sdpa"
+    assert set(attention.CAUSAL_ATTENTION_KERNELS) == set(op_backends("causal_attention").checks)
 
 
 @pytest.mark.parametrize("dv", [128, 192])
@@ -86,7 +107,7 @@ def test_placed_queries_go_to_flex_where_flex_runs(monkeypatch):
     from lowerings.kernels import flex_attention
 
     pretend_selected(monkeypatch, "causal_attention", "varlen")
-    monkeypatch.setattr(attention, "varlen_fallback", lambda q: "flex")
+    monkeypatch.setattr(attention, "OFF_CUDA", MappingProxyType({}))  # CPU tensors routed as CUDA ones
     calls = []
     real = flex_attention.flex_causal_attention
     monkeypatch.setattr(flex_attention, "flex_causal_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))

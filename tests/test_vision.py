@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from lowerings.ops.vision_attention import block_diagonal_mask, vision_attention, vision_attention_reference
 from titan_kimi.models.kimi_k3.projector import PatchMergerMLP
 from titan_kimi.models.kimi_k3.vision import VisionTower, merge_patches
+from titan_kimi.models.kimi_k3.state_dict_adapter import hf_vision_config, vision_args_from_hf_config
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs, vision_args_for
 from titan_kimi.models.kimi_k3.vision_embed import sincos_time_embedding
 from titan_kimi.models.kimi_k3.vision_rope import apply_rope_2d, rope_2d_angles
@@ -236,11 +237,11 @@ def test_vision_args_validation_and_hf_config_round_trip():
     with pytest.raises(ValueError, match="unknown vision flavor"):
         vision_args_for("nope")
     args = vision_args_for("moonvit3d_debug", media_placeholder_token_id=1813)
-    config = {"model_type": "kimi_k3", "vision_config": args.hf_config(text_hidden_size=128)}
-    assert KimiK3VisionArgs.from_hf_config(config) == args
+    config = {"model_type": "kimi_k3", "vision_config": hf_vision_config(args, text_hidden_size=128)}
+    assert vision_args_from_hf_config(config) == args
     assert config["vision_config"]["vt_num_hidden_layers"] == 2 and config["vision_config"]["merge_kernel_size"] == [2, 2]
     with pytest.raises(ValueError, match="merge_type"):
-        KimiK3VisionArgs.from_hf_config({"vision_config": {"merge_type": "avg"}})
+        vision_args_from_hf_config({"vision_config": {"merge_type": "avg"}})
 
 
 def test_vision_block_compiles_with_inductor_on_cpu():

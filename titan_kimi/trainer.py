@@ -29,8 +29,6 @@ from titan_kimi.lora import load_adapters, merged_tensors, save_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.models.kimi_k3.multimodal import VISION_PREFIXES, KimiK3VLModel
 from titan_kimi.models.kimi_k3.vision_accounting import vision_flops
-from titan_kimi.parallel.distributed import (DistEnv, all_reduce_sum, destroy, host_all_reduce, init_distributed,
-                                             pick_device)
 from titan_kimi.parallel.context_parallel import ContextParallel
 from titan_kimi.parallel.fsdp import ReplicatedGradients
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
@@ -38,6 +36,8 @@ from titan_kimi.parallel.mesh import Meshes, build_meshes
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.compile.cache_dir import use_compile_cache_dir
 from titan_kimi.compile.report import CompileReport
+from titan_kimi.training.process.distributed import (DistEnv, all_reduce_sum, destroy, host_all_reduce,
+                                                     init_distributed, pick_device)
 from titan_kimi.training.reports.startup import StartupClock
 from titan_kimi.compile.module_prewarm import ModulePrewarm
 from titan_kimi.compile.module_prewarm import unsupported as prewarm_unsupported

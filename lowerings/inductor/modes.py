@@ -11,7 +11,7 @@
 A mode has two halves: ``compile_options`` (the ``torch.compile`` keyword arguments, which carry the graph pass
 through ``options`` so it is installed exactly while these regions compile, backward included) and
 ``lowering_scope`` (how the titan_kimi ops lower while Dynamo traces; must be active around every call of a
-compiled region, see ``titan_kimi.compile.apply``). On CPU the ``inductor`` mode has no triton_op path (no
+compiled region, see ``titan_kimi.parallel.compile``). On CPU the ``inductor`` mode has no triton_op path (no
 CUDA): the ops keep their reference backends and only the SiTU-GLU rewrite applies.
 """
 

@@ -40,9 +40,8 @@ def unavailable_reason() -> str | None:
 
 
 def cudnn_takes(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int) -> str | None:
-    """Why the cuDNN kernels cannot take this call (None when they can); such calls run the Triton kernel."""
-    if not q.is_cuda:
-        return "needs CUDA tensors"
+    """Why the cuDNN kernels cannot take this call (None when they can); such calls run the Triton kernel. The
+    device is the op's rule (``lowerings.ops.indexer_topk.forward_kernel``: CPU tensors run the reference)."""
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16:
         return f"needs bf16 q and k, got {q.dtype}/{k.dtype}"
     if w.dtype not in (torch.float32, torch.bfloat16):

@@ -28,16 +28,14 @@ def padded_head_dim(q_dim: int, v_dim: int) -> int:
 
 
 def varlen_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why this call cannot run here (None when it can): a CUDA tensor in bf16/fp16, as many keys as queries,
-    head dims within FlashAttention's 256."""
+    """Why this call cannot run here (None when it can): bf16/fp16, as many keys as queries, head dims within
+    FlashAttention's 256. The device is the op's rule (``lowerings.ops.attention.OFF_CUDA``: sdpa off CUDA)."""
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"needs bf16 or fp16 q/k/v, got {q.dtype}/{k.dtype}/{v.dtype}"
     if q.shape[1] != k.shape[1]:
         return f"needs as many keys as queries, got {k.shape[1]} and {q.shape[1]}"
     if padded_head_dim(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return f"head dims {q.shape[-1]}/{v.shape[-1]} exceed FlashAttention's {MAX_HEAD_DIM}"
-    if not q.is_cuda:
-        return "needs CUDA tensors"
     return None
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+from typing import Callable, Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +22,42 @@ BACKENDS.add("triton", cuda_available, auto_rank=0)
 # auto's first choice where cuDNN's DSA runtime is installed: its document-wise (THD) layout measured faster than
 # the Triton kernel on every layout at K3.1's shape with the same selections (docs/perf.md, docs/ops.md)
 BACKENDS.add("cudnn", _cudnn_available, auto_rank=0)
+
+# The rule table the op consults; configure_backends picks the row (the op's resolved backend): the kernel each
+# backend runs on CUDA tensors. CPU tensors run the reference under the CUDA backends.
+INDEXER_TOPK_KERNELS: Mapping[str, str] = MappingProxyType({
+    "cudnn": "cudnn",
+    "triton": "triton",
+    "reference": "reference",
+})
+CUDA_KERNELS = frozenset({"cudnn", "triton"})
+ShapeRule = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], "str | None"]  # why a call is refused
+
+
+def _cudnn_refuses(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int) -> str | None:
+    from lowerings.kernels.cudnn_indexer_topk import cudnn_takes
+
+    return cudnn_takes(q, k, w, topk)
+
+
+# The fused kernels that take only some call shapes: kernel -> (its rule, the kernel that runs what it refuses).
+# cuDNN's DSA indexer: bf16 q and k, fp32 or bf16 head weights, head dim 128, 16 / 32 / 64 index heads, top-k
+# within its radix kernel's 2,048.
+SHAPE_RULES: Mapping[str, tuple[ShapeRule, str]] = MappingProxyType({
+    "cudnn": (_cudnn_refuses, "triton"),
+})
+
+
+def forward_kernel(backend: str, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int,
+                   *, cuda: bool | None = None) -> str:
+    """The kernel ``indexer_topk_op`` runs for this call under ``backend`` (its row of ``INDEXER_TOPK_KERNELS``,
+    then ``SHAPE_RULES``). ``cuda`` (default ``q.is_cuda``) lets tests ask for the GPU decision with CPU tensors."""
+    kernel = INDEXER_TOPK_KERNELS[backend]
+    if kernel in CUDA_KERNELS and not (q.is_cuda if cuda is None else cuda):
+        return "reference"
+    refuses, instead = SHAPE_RULES.get(kernel, (None, kernel))
+    return instead if refuses is not None and refuses(q, k, w, topk) is not None else kernel
+
 
 # Row chunks keep the fp32 [rows, heads, T] intermediate under this many bytes, so long sequences never
 # materialise the whole [T, T] score matrix.
@@ -76,14 +115,12 @@ def indexer_topk_op(
     q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, seg_start: torch.Tensor, topk: int, scale: float,
     q_offset: int = 0, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
 ) -> torch.Tensor:
-    backend = selected_backend("indexer_topk")
-    if backend == "cudnn" and q.is_cuda:
-        from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk, cudnn_takes
+    kernel = forward_kernel(selected_backend("indexer_topk"), q, k, w, topk)
+    if kernel == "cudnn":
+        from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk
 
-        if cudnn_takes(q, k, w, topk) is None:
-            return cudnn_indexer_topk(q, k, w, seg_start, topk, scale, q_offset, cu_seqlens, max_seqlen)
-        backend = "triton"  # calls the cuDNN kernels cannot take (dtype, head shape): the Triton kernel
-    if backend == "triton" and q.is_cuda:
+        return cudnn_indexer_topk(q, k, w, seg_start, topk, scale, q_offset, cu_seqlens, max_seqlen)
+    if kernel == "triton":
         from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
 
         return triton_indexer_topk(q, k, w, seg_start, topk, scale, q_offset=q_offset)

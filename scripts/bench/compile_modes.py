@@ -50,7 +50,7 @@ from lowerings.inductor.modes import compile_mode, compile_mode_names  # noqa: E
 from lowerings.inductor.passes import COUNTER  # noqa: E402
 from titan_kimi.training.setup.kernels import configure_kernels  # noqa: E402
 from titan_kimi.config import load_job_config  # noqa: E402
-from titan_kimi.parallel.distributed import DistEnv  # noqa: E402
+from titan_kimi.training.process.distributed import DistEnv  # noqa: E402
 from titan_kimi.parallel.layout import resolve_layout  # noqa: E402
 from titan_kimi.training.setup.build import model_args_from_config  # noqa: E402
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from titan_kimi.config import load_job_config  # noqa: E402
 from titan_kimi.data.causal_keys import longest_document  # noqa: E402
-from titan_kimi.parallel.distributed import DistEnv  # noqa: E402
+from titan_kimi.training.process.distributed import DistEnv  # noqa: E402
 from titan_kimi.parallel.layout import resolve_layout  # noqa: E402
 from titan_kimi.training.setup.build import model_args_from_config  # noqa: E402
 from titan_kimi.training.optim.grad_clip import clip_gradients  # noqa: E402

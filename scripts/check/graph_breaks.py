@@ -65,7 +65,8 @@ def check(flavor: str, seq_len: int, device: str, dtype: torch.dtype, index_trai
 def check_vision(flavor: str, device: str, dtype: torch.dtype) -> dict[str, int]:
     """The vision block of a tower flavor on two packed images of different sizes."""
     from lowerings.ops.vision_attention import block_diagonal_mask
-    from titan_kimi.models.kimi_k3.vision import VisionBlock
+    from titan_kimi.models.kimi_k3.init_specs import init_declared
+    from titan_kimi.models.kimi_k3.vision import VisionBlock, vision_init_specs
     from titan_kimi.models.kimi_k3.vision_args import vision_args_for
     from titan_kimi.models.kimi_k3.vision_rope import rope_2d_angles
 
@@ -73,7 +74,7 @@ def check_vision(flavor: str, device: str, dtype: torch.dtype) -> dict[str, int]
     torch.manual_seed(0)
     with torch.device(device):
         block = VisionBlock(args)
-        block.init_weights()
+        init_declared(block, vision_init_specs(block, args.init_std))
     block.to(dtype)
     grids = [(1, 4, 6), (1, 2, 4)]
     x = torch.randn(32, args.dim, device=device, dtype=dtype)

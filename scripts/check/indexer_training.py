@@ -42,7 +42,7 @@ from titan_kimi.config import load_job_config  # noqa: E402
 from titan_kimi.data import TOKENIZER_DIR, KimiTokenizer  # noqa: E402
 from titan_kimi.data.assets import SAMPLE_TEXT_PATH  # noqa: E402
 from titan_kimi.models.kimi_k3.mla import GatedMLA  # noqa: E402
-from titan_kimi.parallel.distributed import DistEnv  # noqa: E402
+from titan_kimi.training.process.distributed import DistEnv  # noqa: E402
 from titan_kimi.parallel.layout import resolve_layout  # noqa: E402
 from titan_kimi.trainer import Trainer  # noqa: E402
 from titan_kimi.training.setup.build import model_args_from_config  # noqa: E402

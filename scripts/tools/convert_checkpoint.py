@@ -39,6 +39,7 @@ from titan_kimi.checkpoint.hf_config import model_args_from_hf, read_hf_config  
 from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES  # noqa: E402
 from titan_kimi.checkpoint.progress import ProgressBar  # noqa: E402
 from titan_kimi.models.kimi_k3 import model_args_for  # noqa: E402
+from titan_kimi.models.kimi_k3.state_dict_adapter import vision_args_from_hf_config  # noqa: E402
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs, vision_args_for  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -114,7 +115,7 @@ def _hf_vision(opts: argparse.Namespace) -> KimiK3VisionArgs | None:
     if opts.flavor or opts.text_only:
         return None
     config = read_hf_config(opts.hf_config if opts.hf_config else opts.hf_dir)
-    return KimiK3VisionArgs.from_hf_config(config) if "vision_config" in config else None
+    return vision_args_from_hf_config(config) if "vision_config" in config else None
 
 
 def run(argv: list[str] | None = None) -> Path:

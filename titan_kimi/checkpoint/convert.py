@@ -49,7 +49,7 @@ from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.models.kimi_k3.multimodal import KimiK3VLModel
-from titan_kimi.models.kimi_k3.state_dict_adapter import PASSTHROUGH_PREFIXES
+from titan_kimi.models.kimi_k3.state_dict_adapter import PASSTHROUGH_PREFIXES, vision_args_from_hf_config
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 MODEL_KEY = "model"
@@ -101,7 +101,7 @@ class _HFSourcePlanner(DefaultSavePlanner):
 
 def check_vision_config(config: dict[str, Any], vision: KimiK3VisionArgs, file: Path) -> None:
     """ValueError naming every tower field where the checkpoint's ``vision_config`` and ``vision`` disagree."""
-    saved = KimiK3VisionArgs.from_hf_config(config)
+    saved = vision_args_from_hf_config(config)
     diffs = [f"{f.name}: {getattr(saved, f.name)!r} in the checkpoint, {getattr(vision, f.name)!r} given"
              for f in dataclasses.fields(KimiK3VisionArgs)
              if f.name != "init_std" and getattr(saved, f.name) != getattr(vision, f.name)]
@@ -270,7 +270,7 @@ def dcp_to_hf(
         vision = read_vision_args(dcp_path)
     if (vision is None and base_config is not None and "vision_config" in base_config
             and _holds_vision(_read_metadata(dcp_path))):  # a tower saved without its args: the given config's
-        vision = KimiK3VisionArgs.from_hf_config(base_config)
+        vision = vision_args_from_hf_config(base_config)
     dtype_name(dtype)
     refuse_output_in_source(dcp_path, out_path)
     specs, fp32 = model_tensor_specs(args, dtype, vision)

@@ -21,7 +21,7 @@ from titan_kimi.checkpoint.hf_writer import DEFAULT_MAX_SHARD_BYTES, HFShardWrit
 from titan_kimi.checkpoint.mxfp4 import encode_mxfp4
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init import fp32_parameter_names
-from titan_kimi.models.kimi_k3.state_dict_adapter import padded_a_log_length, plan_key
+from titan_kimi.models.kimi_k3.state_dict_adapter import hf_vision_config, padded_a_log_length, plan_key
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -126,7 +126,7 @@ def config_for(
         quantization_config=MXFP4_QUANTIZATION_CONFIG if mxfp4_experts else None,
     )
     if vision is not None and "vision_config" not in config:  # an image-text model: its tower's config too
-        config["vision_config"] = vision.hf_config(text_hidden_size=args.dim)
+        config["vision_config"] = hf_vision_config(vision, text_hidden_size=args.dim)
         config["media_placeholder_token_id"] = vision.media_placeholder_token_id
     return config
 

@@ -23,7 +23,8 @@ import torch
 
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-from titan_kimi.compile.report import CompileReport, process_start_time
+from titan_kimi.compile.report import CompileReport
+from titan_kimi.training.process.start_time import process_start_time
 from titan_kimi.training.process.helper_process import HelperProcess
 
 logger = logging.getLogger("titan_kimi")
@@ -61,7 +62,7 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     from lowerings.inductor.modes import compile_mode
     from titan_kimi.config import load_job_config
     from titan_kimi.data.causal_keys import longest_document
-    from titan_kimi.compile.apply import module_regions
+    from titan_kimi.parallel.compile import module_regions
     from titan_kimi.parallel.parallelize import mixed_precision_dtype
     from titan_kimi.training.setup.build import (build_model_from_config, dataloader_from_config,
                                                  model_args_from_config, tokenizer_from_config)

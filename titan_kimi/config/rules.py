@@ -144,7 +144,7 @@ def module_compile_without_checkpointing(cfg: JobConfig, source_of: SourceOf) ->
 
 def global_batch_is_whole_local_batches(cfg: JobConfig, source_of: SourceOf) -> None:
     """The per-rank shapes (microbatches, CP chunks, experts) are the layout's checks:
-    ``titan_kimi.parallel.layout.check_layout``."""
+    ``titan_kimi.config.parallelism.check_degrees`` and ``titan_kimi.parallel.layout.check_layout``."""
     t = cfg.training
     if t.global_batch_size != -1 and t.global_batch_size % t.local_batch_size:
         raise _reject(cfg, "training.global_batch_size", source_of,

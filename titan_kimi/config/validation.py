@@ -8,6 +8,7 @@ from typing import Mapping
 from titan_kimi.config.errors import DEFAULT, IN_CODE, bad_value
 from titan_kimi.config.field_checks import check_field
 from titan_kimi.config.options import describe_config
+from titan_kimi.config.parallelism import check_degrees
 from titan_kimi.config.rules import RULES
 from titan_kimi.config.sections import JobConfig
 
@@ -43,12 +44,9 @@ def validate_job_config(cfg: JobConfig, sources: Mapping[str, str] | None = None
     if requested and launcher_world_size and requested != launcher_world_size:
         raise bad_value("job.world_size", requested, source_of("job.world_size"),
                         f"the launcher started {launcher_world_size} ranks", f"0 or {launcher_world_size}")
-    # The parallel layout's one check, with what is known before the model exists (imported here: the layout
-    # module reads this package's error helpers).
-    from titan_kimi.parallel.layout import check_layout
-
+    # The parallel layout's checks that need no model (the rest: titan_kimi.parallel.layout.check_layout).
     world, world_source = (requested, "job.world_size") if requested else (launcher_world_size or None, LAUNCHER)
-    check_layout(cfg, world, image_text=bool(cfg.model.vision_flavor), source_of=source_of, world_source=world_source)
+    check_degrees(cfg, world, image_text=bool(cfg.model.vision_flavor), source_of=source_of, world_source=world_source)
     # Last: the registry lives in the model package, which imports torch; every other error stays instant.
     if not check_registry:
         return

@@ -1,11 +1,11 @@
 """The parallel layout of a job: its ``parallelism.*`` degrees resolved against the world size, and the one
-function that checks them (``check_layout``).
+function that checks them (``check_layout``; its checks that need no model are the config's,
+``titan_kimi.config.parallelism``, which ``validate_job_config`` runs before the model exists).
 
-Every reader takes the layout from here: the config checks (``validate_job_config``, with what is known before the
-model exists), the trainer, the dry run and its estimates, the step-time sweep and the rank-slice bench
-(``resolve_layout``). torchtitan's ``ParallelDims`` is built from a checked layout only to make the device meshes
-(``titan_kimi.parallel.mesh``): it checks by ``assert`` without naming config keys, knows no pipeline plan,
-microbatches or CP layout, imports torch (which the config checks must not wait for) and holds process-group
+Every reader takes the layout from here: the trainer, the dry run and its estimates, the step-time sweep and the
+rank-slice bench (``resolve_layout``). torchtitan's ``ParallelDims`` is built from a checked layout only to make the
+device meshes (``titan_kimi.parallel.mesh``): it checks by ``assert`` without naming config keys, knows no pipeline
+plan, microbatches or CP layout, imports torch (which the config checks must not wait for) and holds process-group
 state, while the sweep resolves thousands of layouts without any.
 
 This module imports no torch: the model arguments are only read, and the CP chunk count comes from
@@ -15,18 +15,14 @@ This module imports no torch: the model arguments are only read, and the CP chun
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
-from titan_kimi.config.errors import ConfigError, bad_value, mention
+from titan_kimi.config.parallelism import LayoutCheck, SourceOf, check_degrees, cp_chunks
 from titan_kimi.parallel.pipeline_plan import PipelinePlan, plan_pipeline
 
 if TYPE_CHECKING:
     from titan_kimi.config.sections import JobConfig
     from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-
-SourceOf = Callable[[str], "str | None"]
-_WORLD_KEYS = ("parallelism.data_parallel_replicate_degree", "parallelism.context_parallel_degree",
-               "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree")
 
 
 @dataclass(frozen=True)
@@ -86,74 +82,25 @@ def check_layout(cfg: JobConfig, world_size: int | None = None, args: KimiK3Mode
                  image_text: bool = False, source_of: SourceOf | None = None,
                  world_source: str = "job.world_size") -> ParallelLayout | None:
     """The one check of the parallel layout. Runs what is known: the degrees and batch shapes always; against the
-    world size when given (``world_source`` says where it came from); against the model (routed experts, the
-    pipeline's stages of whole AttnRes blocks and its microbatches, the KDA window under CP) when ``args`` are
-    given; ``image_text``: the model has a vision tower. Returns the layout when both are given, else None.
-
-    Errors are ``ConfigError`` (a ValueError) naming the config key, its value, where it came from when
-    ``source_of`` knows (``validate_job_config``'s sources), and what would be valid."""
+    world size when given (``world_source`` says where it came from); these two are the config's own
+    (``titan_kimi.config.parallelism.check_degrees``, which ``validate_job_config`` runs alone); against the model
+    (routed experts, the pipeline's stages of whole AttnRes blocks and its microbatches, the KDA window under CP)
+    when ``args`` are given; ``image_text``: the model has a vision tower. Returns the layout when both are given,
+    else None. Errors are ``ConfigError``s, as ``check_degrees`` raises them."""
     p, t = cfg.parallelism, cfg.training
-    check = _Check(cfg, source_of)
-    rep, cp, pp, ep = (p.data_parallel_replicate_degree, p.context_parallel_degree, p.pipeline_parallel_degree,
-                       p.expert_parallel_degree)
-    mb, local = p.pipeline_parallel_microbatch_size, t.local_batch_size
-    if args is not None and args.num_experts % ep:  # first: no other degree helps then
+    check = LayoutCheck(cfg, source_of)
+    if args is not None and args.num_experts % p.expert_parallel_degree:  # first: no other degree helps then
         raise check.reject("parallelism.expert_parallel_degree",
                            f"does not divide the number of routed experts ({args.num_experts})",
                            f"a divisor of {args.num_experts} that divides data_parallel_shard x context_parallel")
-    # ---- the degrees and the batch, without the world size or the model
-    if pp > 1 and local % mb:
-        raise check.reject("parallelism.pipeline_parallel_microbatch_size",
-                           f"does not divide {check.other('training.local_batch_size')}", f"a divisor of {local}")
-    if pp == 1 and p.pipeline_parallel_split:
-        raise check.reject("parallelism.pipeline_parallel_split",
-                           "needs pipeline_parallel_degree > 1 "
-                           f"({check.other('parallelism.pipeline_parallel_degree')})",
-                           "[] without pipeline parallelism")
-    chunks = _cp_chunks(p.context_parallel_layout, cp)
-    if cp > 1 and t.seq_len % chunks:
-        raise check.reject("training.seq_len",
-                           f"cannot be cut into {chunks} equal chunks for "
-                           f"{check.other('parallelism.context_parallel_degree')} with "
-                           f"{check.other('parallelism.context_parallel_layout')}", f"a multiple of {chunks}")
-    if cp > 1 and image_text:
-        raise check.reject("parallelism.context_parallel_degree",
-                           "with an image-text model: sharding sequences whose placeholders the model expands into "
-                           "image positions is not built", "1 (the image-text recipes train without CP)")
-    shard = p.data_parallel_shard_degree
-    if shard != -1:
-        _experts_fit(check, shard, cp, ep)
-    # ---- against the world size
-    if world_size is not None:
-        fixed = 1
-        for key in _WORLD_KEYS:
-            fixed *= check.value(key)
-        world = f"world size {world_size} ({world_source})"
-        if world_size % fixed:
-            degrees = ", ".join(check.other(key) for key in _WORLD_KEYS)
-            raise ConfigError(f"parallelism: {degrees} multiply to {fixed}, which does not divide {world}; "
-                              f"valid: degrees whose product divides {world_size}",
-                              key="parallelism", source=check.source(_WORLD_KEYS[-1]), value=fixed)
-        if shard != -1 and shard * fixed != world_size:
-            raise check.reject("parallelism.data_parallel_shard_degree",
-                               f"times the other degrees ({fixed}) is {shard * fixed}, not the {world}",
-                               f"-1 or {world_size // fixed}")
-        if shard == -1:
-            shard = world_size // fixed
-            _experts_fit(check, shard, cp, ep)
-        if rep > 1 and shard * cp == 1:
-            raise check.reject("parallelism.data_parallel_replicate_degree",
-                               "with data_parallel_shard x context_parallel = 1: replication alone (DDP) is not "
-                               "built", f"shard instead (data_parallel_shard_degree = {rep}, replicate 1), or HSDP "
-                               "with data_parallel_shard_degree > 1")
-        dp = rep * shard
-        if t.global_batch_size != -1 and t.global_batch_size % (local * dp):
-            raise check.reject("training.global_batch_size",
-                               f"not a multiple of local_batch_size {local} * data-parallel degree {dp} "
-                               f"(for the {world})", f"-1 or a multiple of {local * dp}")
+    shard = check_degrees(cfg, world_size, image_text=image_text, source_of=source_of, world_source=world_source)
     # ---- against the model
     if args is None:
         return None
+    rep, cp, pp, ep = (p.data_parallel_replicate_degree, p.context_parallel_degree, p.pipeline_parallel_degree,
+                       p.expert_parallel_degree)
+    mb, local = p.pipeline_parallel_microbatch_size, t.local_batch_size
+    chunks = cp_chunks(p.context_parallel_layout, cp)
     window = args.kda_conv_size - 1  # the earlier tokens a KDA short convolution reads: from the previous piece
     if cp > 1 and t.seq_len // chunks < window:
         raise check.reject("training.seq_len",
@@ -175,43 +122,8 @@ def check_layout(cfg: JobConfig, world_size: int | None = None, args: KimiK3Mode
                           global_batch)
 
 
-class _Check:
-    """Renders one config key's value and source into a message (no source when none is known)."""
-
-    def __init__(self, cfg: JobConfig, source_of: SourceOf | None) -> None:
-        self.cfg, self.source_of = cfg, source_of
-
-    def value(self, key: str) -> Any:
-        section, name = key.split(".")
-        return getattr(getattr(self.cfg, section), name)
-
-    def source(self, key: str) -> str | None:
-        return self.source_of(key) if self.source_of is not None else None
-
-    def other(self, key: str) -> str:
-        return mention(key, self.value(key), self.source(key))
-
-    def reject(self, key: str, problem: str, valid: str) -> ConfigError:
-        return bad_value(key, self.value(key), self.source(key), problem, valid)
-
-
-def _cp_chunks(cp_layout: str, cp: int) -> int:
-    if cp == 1:
-        return 1
-    from lowerings.ops.sequence_shards import num_chunks  # imports torch: only under context parallelism
-
-    return num_chunks(cp_layout, cp)
-
-
-def _experts_fit(check: _Check, shard: int, cp: int, ep: int) -> None:
-    # torchtitan 0.2.2 carves the EP mesh out of the FSDP ranks (data_parallel_shard * context_parallel).
-    if (shard * cp) % ep:
-        raise check.reject("parallelism.expert_parallel_degree",
-                           f"does not divide data_parallel_shard_degree ({shard}) * context_parallel_degree ({cp}) "
-                           f"= {shard * cp}, the ranks experts are spread over", f"a divisor of {shard * cp}")
-
-
-def _check_microbatches(check: _Check, plan: PipelinePlan, local_batch_size: int, microbatch_size: int) -> None:
+def _check_microbatches(check: LayoutCheck, plan: PipelinePlan, local_batch_size: int,
+                        microbatch_size: int) -> None:
     n = local_batch_size // microbatch_size
     need = {"1F1B": plan.pp, "DualPipeV": plan.num_stages}.get(plan.schedule, 1)
     if n < need:

@@ -9,7 +9,7 @@ import torch
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_kimi.compile.apply import apply_compile, apply_loss_compile
+from titan_kimi.parallel.compile import apply_compile, apply_loss_compile
 from titan_kimi.parallel.expert_parallel import apply_expert_parallel
 from titan_kimi.parallel.fsdp import apply_fsdp, reshard_after_forward
 from titan_kimi.parallel.mesh import Meshes

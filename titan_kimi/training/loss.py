@@ -4,7 +4,7 @@ The model returns normed hidden states; the loss runs the lm_head fused with the
 (``lowerings.ops.linear_cross_entropy``, backend ``kernels.linear_cross_entropy``), so ``[tokens, vocab]``
 logits never exist; ``training.loss_chunk_size`` is the reference backend's token chunk. It calls the head
 module (not its weight) so that FSDP's hooks gather the sharded weight and reduce its gradient, and so that
-``compile.components = ["loss"]`` compiles it (``titan_kimi.compile.apply``).
+``compile.components = ["loss"]`` compiles it (``titan_kimi.parallel.compile``).
 """
 
 from __future__ import annotations

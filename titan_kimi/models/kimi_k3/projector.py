@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from titan_kimi.models.kimi_k3.init_specs import InitSpec
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
 from titan_kimi.models.kimi_k3.vision import VisionRMSNorm, vision_init_specs
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
@@ -27,9 +27,7 @@ class PatchMergerMLP(nn.Module):
         return self.post_norm(self.proj(x))
 
     def init_weights(self) -> None:
-        for index in (0, 2):
-            nn.init.normal_(self.proj[index].weight, mean=0.0, std=self.init_std)
-        self.post_norm.reset_parameters()
+        init_declared(self)
 
     def parameter_init_specs(self) -> dict[str, InitSpec]:
         return vision_init_specs(self, self.init_std)

@@ -1,5 +1,5 @@
 """The mapping between this model and the public Hugging Face checkpoint (spec §9), in both directions:
-config.json fields <-> ``KimiK3ModelArgs``, and model tensor FQNs <-> HF tensor keys.
+config.json fields <-> ``KimiK3ModelArgs`` and ``KimiK3VisionArgs``, and model tensor FQNs <-> HF tensor keys.
 
 Tensors: a key plan says, for one model tensor, which HF tensors make it up and which box of the model tensor
 each one fills (renames, the fused [gate | up] rows, the stacked experts, A_log's padding). Plans depend only on
@@ -8,7 +8,8 @@ exactly the keys it owns; the checkpoint package loads by reading plans forwards
 backwards.
 
 Config: ``args_from_hf_config`` reads a checkpoint config.json (rejecting settings the model cannot build) and
-``hf_text_config`` writes the text config that maps back to the same args. Not in the HF config, so not
+``hf_text_config`` writes the text config that maps back to the same args; ``vision_args_from_hf_config`` and
+``hf_vision_config`` do the same for its ``vision_config`` and ``KimiK3VisionArgs``. Not in the HF config, so not
 exported: ``mla_norm_eps``, ``index_norm_eps`` (the sources fix neither) and the training settings
 (``max_seq_len``, ``index_training``, ``dsa_dense_shortcut``).
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 
 TEXT_MODEL_TYPE = "kimi_linear"
 
@@ -178,6 +180,70 @@ def hf_text_config(args: KimiK3ModelArgs) -> dict[str, Any]:
         },
     )
     return cfg
+
+
+HF_VISION_RENAMES = {
+    "patch_size": "patch_size",
+    "init_pos_emb_height": "pos_emb_height",
+    "init_pos_emb_width": "pos_emb_width",
+    "init_pos_emb_time": "pos_emb_time",
+    "vt_num_hidden_layers": "n_layers",
+    "vt_hidden_size": "dim",
+    "vt_num_attention_heads": "n_heads",
+    "qkv_hidden_size": "qkv_dim",
+    "vt_intermediate_size": "mlp_dim",
+    "merge_kernel_size": "merge_kernel",
+    "projector_ln_eps": "projector_eps",
+    "media_placeholder_token_id": "media_placeholder_token_id",
+}
+# Settings with one supported value (spec §1.3); any other value is rejected on load.
+HF_VISION_FIXED = {
+    "pos_emb_type": "divided_fixed",
+    "merge_type": "sd2_tpool",
+    "mm_projector_type": "patchmergerv2",
+    "norm_type": "rmsnorm",
+    "mlp_type": "mlp2",
+    "activation_func": "gelu_pytorch_tanh",
+    "projector_hidden_act": "gelu",
+    "pos_emb_interpolation_mode": "bilinear",
+    "attn_bias": False,
+    "patch_embed_proj_bias": False,
+    "linear_bias": False,
+}
+
+
+def vision_args_from_hf_config(config: dict[str, Any], **overrides: Any) -> KimiK3VisionArgs:
+    """Map the ``vision_config`` of a composite ``kimi_k3`` config.json (or a bare vision config)."""
+    vision = hf_section(config, "vision_config")
+    kwargs: dict[str, Any] = {}
+    for hf, ours in HF_VISION_RENAMES.items():
+        if vision.get(hf) is not None:
+            kwargs[ours] = vision[hf]
+    for hf, supported in HF_VISION_FIXED.items():
+        if vision.get(hf) is not None and vision[hf] != supported:
+            raise ValueError(
+                f"config.json: vision_config.{hf} = {vision[hf]!r} is not supported; valid: {supported!r}")
+    if vision.get("mm_hidden_size") not in (None, kwargs.get("dim", KimiK3VisionArgs.dim)):
+        raise ValueError(
+            f"config.json: vision_config.mm_hidden_size = {vision['mm_hidden_size']!r} must equal vt_hidden_size "
+            "(the projector reads the merged tower output)"
+        )
+    top = config.get("media_placeholder_token_id")
+    if top is not None and "media_placeholder_token_id" not in kwargs:
+        kwargs["media_placeholder_token_id"] = top
+    return KimiK3VisionArgs(**{**kwargs, **overrides})
+
+
+def hf_vision_config(vision: KimiK3VisionArgs, text_hidden_size: int) -> dict[str, Any]:
+    """The ``vision_config`` that ``vision_args_from_hf_config`` maps back to ``vision``."""
+    out: dict[str, Any] = {"model_type": "kimi_k3_vision"}
+    for hf, ours in HF_VISION_RENAMES.items():
+        value = getattr(vision, ours)
+        out[hf] = list(value) if isinstance(value, tuple) else value
+    out.update(HF_VISION_FIXED)
+    out["mm_hidden_size"] = vision.dim
+    out["text_hidden_size"] = text_hidden_size
+    return out
 
 
 # ------------------------------------------------------------------ tensor keys

@@ -17,7 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lowerings.ops.vision_attention import block_diagonal_mask, vision_attention
-from titan_kimi.models.kimi_k3.init_specs import InitSpec
+from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
+from titan_kimi.models.kimi_k3.state_dict_adapter import is_adapter_key
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs
 from titan_kimi.models.kimi_k3.vision_embed import PatchEmbed
 from titan_kimi.models.kimi_k3.vision_rope import apply_rope_2d, rope_2d_angles
@@ -54,7 +55,6 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim = args.n_heads, args.head_dim
         self.scale = self.head_dim**-0.5
-        self.init_std = args.init_std
         self.norm0 = VisionRMSNorm(args.dim, eps=None)
         self.norm1 = VisionRMSNorm(args.dim, eps=None)
         self.wqkv = nn.Linear(args.dim, 3 * args.qkv_dim, bias=False)  # rows [q | k | v], each heads x head_dim
@@ -69,12 +69,6 @@ class VisionBlock(nn.Module):
         attn = vision_attention(q, k, v, mask, scale=self.scale)
         x = x + self.wo(attn.reshape(L, self.n_heads * self.head_dim))
         return x + self.mlp(self.norm1(x))
-
-    def init_weights(self) -> None:
-        for linear in (self.wqkv, self.wo, self.mlp.fc0, self.mlp.fc1):
-            nn.init.normal_(linear.weight, mean=0.0, std=self.init_std)
-        self.norm0.reset_parameters()
-        self.norm1.reset_parameters()
 
 
 class VisionEncoder(nn.Module):
@@ -91,11 +85,6 @@ class VisionEncoder(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         return self.final_layernorm(x)
-
-    def init_weights(self) -> None:
-        for block in self.blocks:
-            block.init_weights()
-        self.final_layernorm.reset_parameters()
 
 
 def merge_patches(x: torch.Tensor, grids: Sequence[Grid], kernel: tuple[int, int]) -> torch.Tensor:
@@ -155,16 +144,17 @@ class VisionTower(nn.Module):
         return merge_patches(x, grids, a.merge_kernel)
 
     def init_weights(self) -> None:
-        self.patch_embed.init_weights()
-        self.encoder.init_weights()
+        init_declared(self)
 
     def parameter_init_specs(self) -> dict[str, InitSpec]:
-        """What ``init_weights`` draws, by name (for the seeded initialiser): norms 1, the rest N(0, init_std)."""
+        """Every parameter's initial distribution, by name (``init_weights`` and the seeded initialiser draw from
+        it): norms 1, the rest N(0, init_std)."""
         return vision_init_specs(self, self.args.init_std)
 
 
 def vision_init_specs(module: nn.Module, std: float) -> dict[str, InitSpec]:
-    """RMSNorm weights 1; every other parameter (linears, the patch convolution, the position grid) N(0, std)."""
+    """RMSNorm weights 1; every other parameter (linears, the patch convolution, the position grid) N(0, std).
+    LoRA factors are left to their adapters, which declare them."""
     norms = {name for name, m in module.named_modules() if isinstance(m, nn.RMSNorm)}
     return {name: InitSpec("constant", value=1.0) if name.rsplit(".", 1)[0] in norms else InitSpec("normal", std=std)
-            for name, _ in module.named_parameters()}
+            for name, _ in module.named_parameters() if not is_adapter_key(name)}

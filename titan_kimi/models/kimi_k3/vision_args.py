@@ -1,5 +1,5 @@
-"""Arguments of the MoonViT3d vision tower and the PatchMergerMLPV2 projector (spec §1.3, §10), their flavors,
-and the HF ``vision_config`` mapping.
+"""Arguments of the MoonViT3d vision tower and the PatchMergerMLPV2 projector (spec §1.3, §10) and their flavors
+(the HF ``vision_config`` mapping is the checkpoint mapping's, ``state_dict_adapter``).
 
 The tower's defaults are the released K3 vision config: 27 blocks of width 1024, 12 heads of 128 (q, k and v
 are each 1536 wide), MLP 4096, 14-pixel patches, a learned 64 x 64 position grid, 2 x 2 merge.
@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
-
-from titan_kimi.models.kimi_k3.state_dict_adapter import hf_section
 
 MEDIA_PLACEHOLDER_TOKEN_ID = 163605
 
@@ -73,69 +71,6 @@ class KimiK3VisionArgs:
     def replace(self, **changes: Any) -> "KimiK3VisionArgs":
         return dataclasses.replace(self, **changes)
 
-    # ------------------------------------------------------------------ HF vision_config
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any], **overrides: Any) -> "KimiK3VisionArgs":
-        """From a composite ``kimi_k3`` config.json (its ``vision_config``) or a bare vision config."""
-        vision = hf_section(config, "vision_config")
-        kwargs: dict[str, Any] = {}
-        for hf, ours in HF_VISION_RENAMES.items():
-            if vision.get(hf) is not None:
-                kwargs[ours] = vision[hf]
-        for hf, supported in HF_VISION_FIXED.items():
-            if vision.get(hf) is not None and vision[hf] != supported:
-                raise ValueError(
-                    f"config.json: vision_config.{hf} = {vision[hf]!r} is not supported; valid: {supported!r}")
-        if vision.get("mm_hidden_size") not in (None, kwargs.get("dim", cls.dim)):
-            raise ValueError(
-                f"config.json: vision_config.mm_hidden_size = {vision['mm_hidden_size']!r} must equal vt_hidden_size "
-                "(the projector reads the merged tower output)"
-            )
-        top = config.get("media_placeholder_token_id")
-        if top is not None and "media_placeholder_token_id" not in kwargs:
-            kwargs["media_placeholder_token_id"] = top
-        return cls(**{**kwargs, **overrides})
-
-    def hf_config(self, text_hidden_size: int) -> dict[str, Any]:
-        """The ``vision_config`` that ``from_hf_config`` maps back to these args."""
-        out: dict[str, Any] = {"model_type": "kimi_k3_vision"}
-        for hf, ours in HF_VISION_RENAMES.items():
-            value = getattr(self, ours)
-            out[hf] = list(value) if isinstance(value, tuple) else value
-        out.update(HF_VISION_FIXED)
-        out["mm_hidden_size"] = self.dim
-        out["text_hidden_size"] = text_hidden_size
-        return out
-
-
-HF_VISION_RENAMES = {
-    "patch_size": "patch_size",
-    "init_pos_emb_height": "pos_emb_height",
-    "init_pos_emb_width": "pos_emb_width",
-    "init_pos_emb_time": "pos_emb_time",
-    "vt_num_hidden_layers": "n_layers",
-    "vt_hidden_size": "dim",
-    "vt_num_attention_heads": "n_heads",
-    "qkv_hidden_size": "qkv_dim",
-    "vt_intermediate_size": "mlp_dim",
-    "merge_kernel_size": "merge_kernel",
-    "projector_ln_eps": "projector_eps",
-    "media_placeholder_token_id": "media_placeholder_token_id",
-}
-# Settings with one supported value (spec §1.3); any other value is rejected on load.
-HF_VISION_FIXED = {
-    "pos_emb_type": "divided_fixed",
-    "merge_type": "sd2_tpool",
-    "mm_projector_type": "patchmergerv2",
-    "norm_type": "rmsnorm",
-    "mlp_type": "mlp2",
-    "activation_func": "gelu_pytorch_tanh",
-    "projector_hidden_act": "gelu",
-    "pos_emb_interpolation_mode": "bilinear",
-    "attn_bias": False,
-    "patch_embed_proj_bias": False,
-    "linear_bias": False,
-}
 
 # Vision flavors: the released tower (401,214,464 parameters; its projector into hidden 7168 adds 46,144,512)
 # and a CPU debug tower.

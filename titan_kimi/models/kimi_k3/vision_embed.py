@@ -31,7 +31,6 @@ class PositionEmbedding(nn.Module):
     def __init__(self, args: KimiK3VisionArgs) -> None:
         super().__init__()
         self.max_frames = args.pos_emb_time
-        self.init_std = args.init_std
         self.weight = nn.Parameter(torch.empty(args.pos_emb_height, args.pos_emb_width, args.dim))
 
     def grid(self, h: int, w: int) -> torch.Tensor:
@@ -53,15 +52,11 @@ class PositionEmbedding(nn.Module):
             parts.append(pos)
         return torch.cat(parts)
 
-    def init_weights(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
-
 
 class PatchEmbed(nn.Module):
     def __init__(self, args: KimiK3VisionArgs) -> None:
         super().__init__()
         self.patch_size = args.patch_size
-        self.init_std = args.init_std
         self.proj = nn.Conv2d(3, args.dim, kernel_size=args.patch_size, stride=args.patch_size, bias=False)
         self.pos_emb = PositionEmbedding(args)
 
@@ -69,7 +64,3 @@ class PatchEmbed(nn.Module):
         """``pixel_values [L, 3, p, p]`` -> ``[L, D]``."""
         x = self.proj(pixel_values.to(self.proj.weight.dtype)).flatten(1)
         return x + self.pos_emb(grids).to(x.dtype)
-
-    def init_weights(self) -> None:
-        nn.init.normal_(self.proj.weight, mean=0.0, std=self.init_std)
-        self.pos_emb.init_weights()

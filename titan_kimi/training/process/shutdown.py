@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from titan_kimi.parallel.distributed import host_all_reduce
+from titan_kimi.training.process.distributed import host_all_reduce
 from titan_kimi.training.process.exit_codes import RunStopped
 
 logger = logging.getLogger("titan_kimi")

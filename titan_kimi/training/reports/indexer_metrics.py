@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from titan_kimi.models.kimi_k3.indexer import Indexer
-from titan_kimi.parallel.distributed import all_reduce_sum
+from titan_kimi.training.process.distributed import all_reduce_sum
 
 
 @dataclass(frozen=True)

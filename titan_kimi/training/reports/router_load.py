@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-from titan_kimi.parallel.distributed import all_reduce_sum
+from titan_kimi.training.process.distributed import all_reduce_sum
 
 
 @dataclass(frozen=True)

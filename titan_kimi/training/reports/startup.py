@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from titan_kimi.compile.report import process_start_time
+from titan_kimi.training.process.start_time import process_start_time
 
 
 class StartupClock:

@@ -13,6 +13,7 @@ from titan_kimi.lora import LoRASettings, apply_lora
 from titan_kimi.models.kimi_k3 import KimiK3Model, KimiK3ModelArgs, model_args_for
 from titan_kimi.models.kimi_k3.init import cast_model_dtype
 from titan_kimi.models.kimi_k3.multimodal import KimiK3VLModel
+from titan_kimi.models.kimi_k3.state_dict_adapter import vision_args_from_hf_config
 from titan_kimi.models.kimi_k3.vision_args import KimiK3VisionArgs, vision_args_for
 
 
@@ -63,7 +64,7 @@ def vision_args_from_config(cfg, tokenizer: KimiTokenizer) -> KimiK3VisionArgs |
                          f"image-text model needs")
     if config is None:
         return vision_args_for(cfg.model.vision_flavor, media_placeholder_token_id=placeholder)
-    vision = KimiK3VisionArgs.from_hf_config(config)
+    vision = vision_args_from_hf_config(config)
     if vision.media_placeholder_token_id != placeholder:
         raise ValueError(
             f"model.hf_config_path: media_placeholder_token_id = {vision.media_placeholder_token_id} but the "

@@ -42,7 +42,7 @@ def indexer_step_inputs(batches: list[dict], cfg, layers: int, *, pp: int, cp: i
     ``indexer_loss_scale`` = the KL weight over the step's global count of real queries and the DSA layers (a
     device tensor, or a float for a pipeline schedule, which replicates floats to its microbatches but would
     split a tensor), and ``indexer_metrics`` (measure the recall: a logging step)."""
-    from titan_kimi.parallel.distributed import host_all_reduce
+    from titan_kimi.training.process.distributed import host_all_reduce
 
     local = sum(int((b["doc_ids"] != 0).sum()) for b in batches)
     # summed on the host (no copy to the device, no wait for its queue); the ranks of one pipeline read the same
