@@ -49,6 +49,15 @@ def layout_runs(tmp_path_factory):
     return TrainRuns(tmp_path_factory.mktemp("layout_runs"), RUNS)
 
 
+@pytest.fixture(scope="session")
+def parity_runs(tmp_path_factory):
+    """tests/parallel_parity_worker.py on 4 gloo ranks with every layout of tests/parity_runs.py LAYOUTS, launched
+    once per pytest run, however many tests read it."""
+    from tests.parity_runs import ParityRuns
+
+    return ParityRuns(tmp_path_factory.mktemp("parity_runs"))
+
+
 def pretend_selected(monkeypatch, op: str, name: str) -> None:
     """``op`` runs ``name`` for the rest of the test, past the availability check (as on a machine that has it);
     monkeypatch puts the resolved choice back."""

@@ -126,12 +126,11 @@ def test_each_attention_kind_matches_one_process_over_2_and_4_ranks():
 
 
 @pytest.mark.slow
-def test_training_step_under_cp_composed_with_fsdp_pp_ep_matches_one_process():
+def test_training_step_under_cp_composed_with_fsdp_pp_ep_matches_one_process(parity_runs):
+    """One step's gradients on 4 ranks (tests/parity_runs.py: one launch with test_parallel.py's layouts)."""
     names = ["cp2_dp2", "cp2_contiguous_dp2", "cp4", "cp2_pp2", "cp2_ep2_dp2", "cp2_pp2_ep2"]
-    out = launch(["tests/parallel_parity_worker.py", *names], nproc=4)
-    results = {name: (grad, loss) for name, grad, loss in
-               re.findall(r"PARITY (\S+) grad_rel (\S+) loss_rel (\S+) params \d+", out)}
-    assert set(results) == set(names), out
+    results = {name: (grad, loss) for name, (grad, loss, _) in parity_runs.parity(names).items()}
+    assert set(results) == set(names), parity_runs.output()
     for name, (grad, loss) in results.items():
         assert float(grad) < 1e-4 and float(loss) < 1e-5, (name, grad, loss)
 

@@ -48,12 +48,18 @@ def grads_of(fn, inputs, names):
     return out.detach(), {n: leaves[n].grad for n in names}
 
 
-@pytest.mark.parametrize("packed", [False, True])
+# packed "rows": the trainer's packing (a document starts every 32 tokens, at each row), which the CPU reference
+# runs as 2 rows of 32 side by side (kda_reference._independent_row_length)
+@pytest.mark.parametrize("packed", [False, True, "rows"])
 def test_chunked_kda_matches_recurrence(packed):
-    B, T, H, K, V = (1, 53, 3, 16, 8) if packed else (2, 37, 3, 16, 8)
+    B, T, H, K, V = (1, 64, 3, 16, 8) if packed == "rows" else (1, 53, 3, 16, 8) if packed else (2, 37, 3, 16, 8)
     inputs = make_inputs(B, T, H, K, V, seed=1 if packed else 2)
     scale = 1 / math.sqrt(K)
-    starts = [0, 9, 10, 31] if packed else None
+    starts = [0, 9, 32, 50] if packed == "rows" else [0, 9, 10, 31] if packed else None
+    if packed == "rows":
+        from lowerings.ops.kda_reference import _independent_row_length
+
+        assert _independent_row_length(torch.tensor(starts + [T]), T) == 32
     cu = torch.tensor(starts + [T], dtype=torch.int32) if packed else None
     names = ["q", "k", "v", "u", "beta", "A_log", "dt_bias"]
 

@@ -15,10 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-
-from titan_kimi.checkpoint import export_hf_checkpoint
-from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ["--job.config_file", "train_configs/k31_debug.toml"]
@@ -34,29 +30,26 @@ def launch(args: list[str], nproc: int = 0, timeout: int = 900) -> str:
 
 
 @pytest.mark.slow
-def test_every_layout_gives_one_process_gradients_in_fp32(tmp_path):
+def test_every_layout_gives_one_process_gradients_in_fp32(parity_runs):
     """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2 (also with its weights prefetched at the step's start),
     selective AC + compile under PP2 x EP2,
     full AC under EP2, per-module compile under PP2 x FSDP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
     LoRA and with LoRA under ZBVZeroBubble (adapter files byte-equal to one process's): one step's gradients on 4 ranks.
     PP2 x EP2 x FSDP2 (text) and the image-text LoRA layouts also export their stages as one HF checkpoint, equal to
-    one process's export (adapters merged) and loading back with its logits."""
-    hf = tmp_path / "hf"
-    torch.manual_seed(5)
-    model = KimiK3Model(model_args_for("k31_debug_pp"))
-    model.init_weights()
-    export_hf_checkpoint(model, hf, dtype=torch.float32)
-    out = launch(["tests/parallel_parity_worker.py", "--hf", str(hf)], nproc=4)
-    results = dict(re.findall(r"PARITY (\S+) (grad_rel \S+ loss_rel \S+ params \d+)", out))
+    one process's export (adapters merged) and loading back with its logits. (One launch with the layouts of
+    test_context_parallel.py and test_indexer_training_parallel.py: tests/parity_runs.py.)"""
+    from tests.parity_runs import FP32_LAYOUTS
+
+    out = parity_runs.output()
+    results = parity_runs.parity(FP32_LAYOUTS)
     assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2",
                             "pp2_ep2_fsdp2_prefetch", "pp2_interleaved_zb",
                             "pp2_looped_bfs", "pp2_dualpipev", "pp2_gpipe", "pp2_ep2_sac_compile", "ep2_full_ac",
                             "pp2_fsdp2_module_compile",
                             "ep2_efsdp2_hf", "pp2_ep2_hf", "vl_pp2_fsdp2", "vl_lora_pp2_fsdp2",
                             "vl_lora_pp2_zbv"}, out
-    for name, line in results.items():
-        grad, loss, params = re.match(r"grad_rel (\S+) loss_rel (\S+) params (\d+)", line).groups()
-        assert float(grad) < 1e-4 and float(loss) < 1e-5 and int(params) > 100, (name, line)
+    for name, (grad, loss, params) in results.items():
+        assert float(grad) < 1e-4 and float(loss) < 1e-5 and int(params) > 100, (name, grad, loss, params)
     # The stages' HF exports equal one process's (checked in the worker, which prints these lines only then).
     assert set(re.findall(r"HF_EXPORT (\S+) ok", out)) == {"pp2_ep2_fsdp2", "vl_lora_pp2_fsdp2", "vl_lora_pp2_zbv"}, out
 

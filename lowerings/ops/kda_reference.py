@@ -40,6 +40,17 @@ def _segment_starts_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> tor
     return torch.repeat_interleave(cu_seqlens[:-1].long(), lengths, output_size=total)
 
 
+def _independent_row_length(cu_seqlens: torch.Tensor, total: int) -> int:
+    """The shortest length L (a multiple of CHUNK dividing ``total``) at whose every multiple a segment starts:
+    the packed tokens are then ``total // L`` independent rows of L, which the chunk recurrence runs side by
+    side (the same sums, far fewer sequential steps). ``total`` when there is none."""
+    starts = set(cu_seqlens.tolist()[:-1])
+    for L in range(CHUNK, total, CHUNK):
+        if total % L == 0 and all(r in starts for r in range(0, total, L)):
+            return L
+    return total
+
+
 def _chunked_rows(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -138,8 +149,13 @@ def kda_reference(
         state = initial_state.float() if initial_state is not None else qf.new_zeros(B, H, K, V)
         o, final = _chunked_rows(qf, kf, vf, gf, bf, scale, None, state)
     elif initial_state is None and not output_final_state:
-        seg = _segment_starts_from_cu_seqlens(cu_seqlens, T).view(1, T)
-        o, final = _chunked_rows(qf, kf, vf, gf, bf, scale, seg, qf.new_zeros(1, H, K, V))
+        L = _independent_row_length(cu_seqlens, T) if q.device.type == "cpu" else T
+        R = T // L
+        seg = _segment_starts_from_cu_seqlens(cu_seqlens, T).view(R, L)
+        seg = seg - torch.arange(0, T, L, device=seg.device).view(R, 1)  # row-local starts
+        rows = [x.reshape(R, L, *x.shape[2:]) for x in (qf, kf, vf, gf, bf)]
+        o, final = _chunked_rows(*rows, scale, seg, qf.new_zeros(R, H, K, V))
+        o = o.reshape(1, T, H, V)
     else:
         # States per sequence: run each sequence as its own row (rare path: context parallelism).
         bounds = cu_seqlens.tolist()
