@@ -80,6 +80,11 @@ def test_stage_boundaries_must_follow_blocks():
     args = model_args_for("k3_debug")
     with pytest.raises(ValueError, match="cuts an AttnRes block"):
         KimiK3Model(args, layer_range=(0, 3))
+    # a benchmark's part of a stage's first layers (the rank slice's max_layers) may end inside a block
+    part = KimiK3Model(args, layer_range=(0, 3), allow_block_cut=True)
+    assert not part.is_last and part.output is None and list(part.layers) == ["0", "1", "2"]
+    hidden, bank = part(torch.randint(0, args.vocab_size, (1, 8)))
+    assert hidden.shape == (1, 8, args.dim) and bank.shape[-1] == args.dim
     with pytest.raises(ValueError, match="needs hidden and bank"):
         KimiK3Model(args, layer_range=(4, 8))(torch.zeros(1, 2, 128))
 

@@ -20,16 +20,19 @@ class KimiK3Model(nn.Module):
     ``layer_range=(first, last)`` builds a stage with layers ``[first, last)``: the first stage owns the
     embedding, the last one the output mix, norm and lm_head. With AttnRes, stage boundaries must fall on
     block boundaries, and a stage that is not last returns ``(hidden, bank)`` instead of logits.
+    ``allow_block_cut=True`` lifts that rule for a benchmark that builds only a stage's first layers (the rank
+    slice's ``max_layers``); such a part returns ``(hidden, bank)`` and is no stage of a real run.
     """
 
-    def __init__(self, args: KimiK3ModelArgs, layer_range: tuple[int, int] | None = None) -> None:
+    def __init__(self, args: KimiK3ModelArgs, layer_range: tuple[int, int] | None = None, *,
+                 allow_block_cut: bool = False) -> None:
         super().__init__()
         self.args = args
         first, last = layer_range if layer_range is not None else (0, args.n_layers)
         if not 0 <= first < last <= args.n_layers:
             raise ValueError(f"layer_range {layer_range} must satisfy 0 <= first < last <= n_layers={args.n_layers}")
         block = args.attn_res_block_size
-        if block and (first % block or (last % block and last != args.n_layers)):
+        if block and not allow_block_cut and (first % block or (last % block and last != args.n_layers)):
             raise ValueError(
                 f"layer_range {layer_range} cuts an AttnRes block: stage boundaries must be multiples of "
                 f"attn_res_block_size={block} (or n_layers={args.n_layers})"

@@ -25,8 +25,8 @@ VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 class KimiK3VLModel(KimiK3Model):
     def __init__(self, args: KimiK3ModelArgs, vision: KimiK3VisionArgs,
-                 layer_range: tuple[int, int] | None = None) -> None:
-        super().__init__(args, layer_range)
+                 layer_range: tuple[int, int] | None = None, *, allow_block_cut: bool = False) -> None:
+        super().__init__(args, layer_range, allow_block_cut=allow_block_cut)
         self.vision_args = vision
         self.placeholder_id = vision.media_placeholder_token_id
         if not 0 <= self.placeholder_id < args.vocab_size:

@@ -88,11 +88,13 @@ class RankSlice:
         return max(0.0, self.state_bytes.total - self.held_bytes)
 
 
-def _build_part(cfg, args: KimiK3ModelArgs, tokenizer, layer_range, dtype: torch.dtype) -> KimiK3Model:
+def _build_part(cfg, args: KimiK3ModelArgs, tokenizer, layer_range, dtype: torch.dtype, *,
+                allow_block_cut: bool = False) -> KimiK3Model:
     return build_meta_model(
         args, dtype, indexer_mode=cfg.indexer.mode, warmup_trains=cfg.indexer.warmup_trains, vision=vision_args_from_config(cfg, tokenizer),
         freeze_vision_tower=cfg.model.freeze_vision_tower,
-        lora=LoRASettings.from_config(cfg.lora) if cfg.lora.enable else None, layer_range=layer_range)
+        lora=LoRASettings.from_config(cfg.lora) if cfg.lora.enable else None, layer_range=layer_range,
+        allow_block_cut=allow_block_cut)
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
@@ -114,14 +116,12 @@ def build_rank_slice(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, tokeniz
     stages, dropped, counted, dispatches = [], {}, [], []
     for index, layer_range in stages_of(layout, args, pp_rank):
         model = _build_part(cfg, args, tokenizer, layer_range, dtype)
-        counted.append(count_stage_params(model))
-        if max_layers and len(model.layers) > max_layers:
-            names = list(model.layers)[max_layers:]
-            dropped[index] = [int(n) for n in names]
-            for name in names:
-                del model.layers[name]
-            model.is_last = False  # what is built ends before the stage's end: it returns (hidden, bank)
-            model.output_mix = model.norm = model.output = None
+        counted.append(count_stage_params(model))  # the whole stage's parameters, built or not
+        first, last = layer_range
+        if max_layers and last - first > max_layers:
+            dropped[index] = list(range(first + max_layers, last))
+            # the stage's first layers only: the part ends before the stage's end and returns (hidden, bank)
+            model = _build_part(cfg, args, tokenizer, (first, first + max_layers), dtype, allow_block_cut=True)
         if layout.ep > 1:
             if load is None:
                 raise ValueError(f"expert_parallel_degree {layout.ep}: the rank slice needs the expert load")

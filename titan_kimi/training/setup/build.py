@@ -83,15 +83,17 @@ def build_meta_model(
     freeze_vision_tower: bool = True,
     lora: LoRASettings | None = None,
     layer_range: tuple[int, int] | None = None,
+    allow_block_cut: bool = False,
 ) -> KimiK3Model:
     """The model (or the pipeline stage of layers ``layer_range``) on the meta device in ``dtype``
     (fp32-by-design parameters stay fp32): the image-text model when ``vision`` is given. With ``lora`` every
     base weight is frozen and adapters are added (materialise, then ``titan_kimi.lora.reset_adapters``);
     without, (``freeze_vision_tower``) the tower is frozen. The indexer trains as ``indexer_mode`` and
-    ``warmup_trains`` say (``[indexer]``; ``titan_kimi.training.setup.indexer_training``)."""
+    ``warmup_trains`` say (``[indexer]``; ``titan_kimi.training.setup.indexer_training``). ``allow_block_cut``:
+    a benchmark's part that ends inside an AttnRes block (``KimiK3Model``)."""
     with torch.device("meta"):
-        model = (KimiK3VLModel(args, vision, layer_range) if vision is not None
-                 else KimiK3Model(args, layer_range=layer_range))
+        model = (KimiK3VLModel(args, vision, layer_range, allow_block_cut=allow_block_cut) if vision is not None
+                 else KimiK3Model(args, layer_range=layer_range, allow_block_cut=allow_block_cut))
     cast_model_dtype(model, dtype)
     if vision is not None and freeze_vision_tower and model.vision_tower is not None:
         model.vision_tower.requires_grad_(False)
