@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 PY=${PYTHON:-python3}
-exec "$PY" -m pytest -q "$@"
+# Two workers (CI has 2 cores); tests sharing a session launch stay in one worker (tests/conftest.py).
+exec "$PY" -m pytest -q -n 2 --dist loadgroup "$@"

@@ -30,7 +30,16 @@ def pytest_configure(config):
     configure_kernel_settings(triton_autotune=config.getoption("--kernels-triton-autotune") == "true")
 
 
+# Tests that read one of these session fixtures run in one pytest-xdist worker, so its launch happens once.
+SHARED_LAUNCHES = ("layout_runs", "parity_runs")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        shared = [name for name in SHARED_LAUNCHES if name in item.fixturenames]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group("+".join(shared)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
