@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
 PY=${PYTHON:-python3}
-# Two workers (CI has 2 cores); tests sharing a session launch stay in one worker (tests/conftest.py).
+# Two workers for CI's 2 cores; tests/conftest.py keeps the readers of each once-per-run launch in one worker.
 exec "$PY" -m pytest -q -n 2 --dist loadgroup "$@"

@@ -30,16 +30,20 @@ def pytest_configure(config):
     configure_kernel_settings(triton_autotune=config.getoption("--kernels-triton-autotune") == "true")
 
 
-# Tests that read one of these session fixtures run in one pytest-xdist worker, so its launch happens once.
+# The once-per-run launches below: the tests reading one of them run in one pytest-xdist worker (--dist
+# loadgroup), so each launch still happens once per pytest run however the tests are spread.
 SHARED_LAUNCHES = ("layout_runs", "parity_runs")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         shared = [name for name in SHARED_LAUNCHES if name in item.fixturenames]
+        if len(shared) > 1:  # one worker cannot hold both groups: each launch would run twice
+            raise pytest.UsageError(f"{item.nodeid} reads {shared}; a test may read at most one of "
+                                    f"{list(SHARED_LAUNCHES)}")
         if shared:
-            item.add_marker(pytest.mark.xdist_group("+".join(shared)))
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
