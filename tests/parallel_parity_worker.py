@@ -74,6 +74,20 @@ LAYOUTS = {
                                  "--training.global_batch_size", "4", "--compile.mode", "default",
                                  "--compile.granularity", "module"],
 }
+# One step of a layout under two settings, compared with each other (``AB name grad_rel .. loss_rel .. held A B``;
+# held: the most unsharded gradient elements a rank's FSDP units kept after a backward): gradients reduce-scattered
+# in every microbatch's backward against once after the last, 4 microbatches, with the precision k31_debug ships
+# (fp32 weights, bf16 compute, fp32 reduction), also freeing the gathered weights after each backward; and with bf16
+# weights (k31.toml), where the sharded gradient sums the microbatches in bf16.
+PP2_EP2_FSDP2_MB4 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                     "--training.local_batch_size", "4"]
+MIXED = [*PP2_EP2_FSDP2_MB4, "--training.mixed_precision", "true"]
+SYNC = ["--parallelism.pipeline_gradient_sync", "microbatch"]
+AB_LAYOUTS = {
+    "pp2_ep2_fsdp2_sync_microbatch": (MIXED, SYNC),
+    "pp2_ep2_fsdp2_sync_microbatch_always": (MIXED, [*SYNC, "--parallelism.fsdp_reshard_after_forward", "always"]),
+    "pp2_ep2_fsdp2_sync_microbatch_bf16": ([*PP2_EP2_FSDP2_MB4, "--model.dtype", "bfloat16"], SYNC),
+}
 # Layouts whose feature starts at the second step: one warm step on the same batch first (no optimizer step).
 WARM_STEP = ("pp2_ep2_fsdp2_prefetch",)
 # The image-text recipe in fp32 (pipeline x FSDP over the 4 ranks): the tower and projector on the first stage;
@@ -263,12 +277,70 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     trainer.close()
 
 
+def unsharded_grad_elements(modules) -> int:
+    """Elements of the unsharded gradients (accumulated or not) FSDP's units hold now."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    held = 0
+    for module in modules:
+        for sub in module.modules():
+            group = fully_shard.state(sub)._fsdp_param_group if isinstance(sub, FSDPModule) else None
+            for p in group.fsdp_params if group else ():
+                if p.unsharded_accumulated_grad is not None:
+                    held += p.unsharded_accumulated_grad.numel()
+                elif hasattr(p, "_unsharded_param") and p._unsharded_param.grad is not None:
+                    held += p._unsharded_param.grad.numel()
+    return held
+
+
+def step_grads(argv: list[str], env: DistEnv) -> tuple[float, dict[str, torch.Tensor], int]:
+    """Loss, full gradients and the most unsharded gradient elements held after a stage backward, of one step."""
+    cfg = load_job_config(argv)
+    args = model_args_from_config(cfg)
+    trainer = Trainer(cfg, args, resolve_layout(cfg, env.world_size, args), env)
+    held = [0]
+    for stage in trainer.pipeline.stages:
+        def backward(*a, _run=stage.backward_maybe_with_nosync, **k):
+            out = _run(*a, **k)
+            held[0] = max(held[0], unsharded_grad_elements(trainer.pipeline.modules))
+            return out
+        stage.backward_maybe_with_nosync = backward
+    data = iter(trainer.dataloader)
+    host = [trainer._local(next(data)) for _ in range(trainer.accum_steps)]
+    valid = trainer._step_totals(host)[0]
+    loss = torch.zeros((), device=trainer.device)
+    for batch in host:
+        loss += trainer._micro_step({k: v.to(trainer.device) for k, v in batch.items()}, valid, backward=True)
+    trainer.replicated.sync()
+    dist.all_reduce(loss)
+    grads = {canonical_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().clone()
+             for part in trainer.model_parts for n, p in part.named_parameters() if p.grad is not None}
+    trainer.close()
+    return float(loss), grads, held[0]
+
+
+def check_ab(name: str, env: DistEnv) -> None:
+    base, variant = AB_LAYOUTS[name]
+    loss_a, grads_a, held_a = step_grads([*COMMON, *base], env)
+    loss_b, grads_b, held_b = step_grads([*COMMON, *base, *variant], env)
+    assert grads_a.keys() == grads_b.keys(), name
+    worst = max(float((grads_b[k] - g).norm() / g.norm().clamp(min=1e-30)) for k, g in grads_a.items())
+    stats = torch.tensor([worst, float(held_a), float(held_b)], device=next(iter(grads_a.values())).device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    if env.rank == 0:
+        print(f"AB {name} grad_rel {float(stats[0]):.3e} loss_rel {abs(loss_b - loss_a) / abs(loss_a):.3e} "
+              f"held {int(stats[1])} {int(stats[2])}", flush=True)
+
+
 def main() -> None:
     env = DistEnv.from_environ()
     argv = sys.argv[1:]
     hf = argv[argv.index("--hf") + 1] if "--hf" in argv else None
     names = [a for a in argv if a != "--hf" and a != hf]
     for name in names or [*LAYOUTS, *VL_LAYOUTS, *(HF_LAYOUTS if hf else ())]:
+        if name in AB_LAYOUTS:
+            check_ab(name, env)
+            continue
         overrides = ({**LAYOUTS, **CP_LAYOUTS, **VL_LAYOUTS, **INDEXER_LAYOUTS}.get(name)
                      or [*HF_LAYOUTS[name], "--checkpoint.initial_load_path", hf])
         check(name, overrides, env)

@@ -17,11 +17,14 @@ FP32_LAYOUTS = ("ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2"
 CP_LAYOUTS = ("cp2_dp2", "cp2_contiguous_dp2", "cp4", "cp2_pp2", "cp2_ep2_dp2", "cp2_pp2_ep2")
 # test_indexer_training_parallel.py: indexer training under every parallelism
 INDEXER_LAYOUTS = ("sparse_pp2_ep2_fsdp2", "sparse_cp2_dp2_sac", "warmup_cp2_pp2", "sparse_ep2_module_compile")
-LAYOUTS = (*FP32_LAYOUTS, *CP_LAYOUTS, *INDEXER_LAYOUTS)
+# test_parallel.py: one layout under two settings, compared with each other (the worker's AB_LAYOUTS)
+AB_LAYOUTS = ("pp2_ep2_fsdp2_sync_microbatch", "pp2_ep2_fsdp2_sync_microbatch_always",
+              "pp2_ep2_fsdp2_sync_microbatch_bf16")
+LAYOUTS = (*FP32_LAYOUTS, *CP_LAYOUTS, *INDEXER_LAYOUTS, *AB_LAYOUTS)
 
 
 class ParityRuns:
-    """``runs.output()``: what the one launch printed (rank 0's PARITY, INDEXER and HF_EXPORT lines);
+    """``runs.output()``: what the one launch printed (rank 0's PARITY, AB, INDEXER and HF_EXPORT lines);
     ``runs.parity(names)``: ``{name: (grad_rel, loss_rel, params)}`` of the PARITY lines of those layouts."""
 
     def __init__(self, root: Path) -> None:
@@ -43,6 +46,11 @@ class ParityRuns:
             self._out = launch(["tests/parallel_parity_worker.py", "--hf", str(hf), *LAYOUTS], nproc=4,
                                timeout=3600)
         return self._out
+
+    def ab(self, names) -> dict[str, tuple[float, float, int, int]]:
+        """``{name: (grad_rel, loss_rel, held by A, held by B)}`` of the AB lines of those layouts."""
+        rows = re.findall(r"AB (\S+) grad_rel (\S+) loss_rel (\S+) held (\d+) (\d+)", self.output())
+        return {name: (float(g), float(l), int(a), int(b)) for name, g, l, a, b in rows if name in names}
 
     def parity(self, names) -> dict[str, tuple[str, str, str]]:
         rows = re.findall(r"PARITY (\S+) grad_rel (\S+) loss_rel (\S+) params (\d+)", self.output())

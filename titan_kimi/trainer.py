@@ -194,7 +194,7 @@ class Trainer:
         return parts, pipeline
 
     def _build_pipeline(self, parts: list[KimiK3Model], indices: list[int]):
-        from titan_kimi.parallel.fsdp import replicated_parameters, set_summed_gradients
+        from titan_kimi.parallel.fsdp import reshard_after_forward, replicated_parameters, set_summed_gradients
         from titan_kimi.parallel.pipeline import PipelineRunner, PipelineStageModule, build_schedule
 
         cfg, layout = self.cfg, self.layout
@@ -218,7 +218,9 @@ class Trainer:
             layout.pipeline, modules, device=self.device, group=self.meshes.pp_group,
             n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb,
             seq_len=cfg.training.seq_len // layout.cp,  # this rank's tokens of each sequence
-            images=images, patch_size=self.vision.patch_size if self.vision is not None else 14)
+            images=images, patch_size=self.vision.patch_size if self.vision is not None else 14,
+            gradient_sync=cfg.parallelism.pipeline_gradient_sync,
+            reshard_after_forward=reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=True))
         return PipelineRunner(schedule, stages, [m for _, m in modules], images,
                               prefetch_weights=cfg.parallelism.pipeline_prefetch_weights)
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from titan_kimi.config.errors import ConfigError, bad_value, mention
 from titan_kimi.config.sections import JobConfig
+from titan_kimi.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
 
 SourceOf = Callable[[str], str]
 Rule = Callable[[JobConfig, SourceOf], None]
@@ -82,6 +83,18 @@ def step_time_estimate_is_a_dry_run(cfg: JobConfig, source_of: SourceOf) -> None
     if cfg.step_time.table and not Path(cfg.step_time.table).is_file():
         raise _reject(cfg, "step_time.table", source_of, "is not an existing file",
                       "\"\" (the shipped table) or a table written by scripts/bench/rank_slice.py")
+
+
+def microbatch_gradient_sync_needs_full_backward(cfg: JobConfig, source_of: SourceOf) -> None:
+    p = cfg.parallelism
+    # FSDP reduce-scatters from its post-backward hooks, which a split backward fires before the weight gradients
+    # exist (the input half) or never (the weight half).
+    if p.pipeline_gradient_sync == "microbatch" and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise _reject(cfg, "parallelism.pipeline_gradient_sync", source_of,
+                      f"reduce-scatters in FSDP's post-backward hooks, which "
+                      f"{_other(cfg, 'parallelism.pipeline_parallel_schedule', source_of)} runs before its weight "
+                      "gradients exist (it splits the backward)",
+                      "step, or a schedule with a whole backward: 1F1B, GPipe, Interleaved1F1B, LoopedBFS")
 
 
 def weight_prefetch_needs_kept_weights(cfg: JobConfig, source_of: SourceOf) -> None:
@@ -305,6 +318,7 @@ RULES: tuple[Rule, ...] = (
     activation_estimate_is_a_dry_run,
     step_time_estimate_is_a_dry_run,
     weight_prefetch_needs_kept_weights,
+    microbatch_gradient_sync_needs_full_backward,
     schedule_fits_in_training,
     selective_ac_option_is_known,
     compile_has_components,

@@ -159,6 +159,14 @@ class Parallelism:
         "microbatch's forward, so that a stage gathers while it waits for its first input (the step-time estimate "
         "counts the gathers hidden behind that wait); needs the gathered weights kept for the step "
         "(fsdp_reshard_after_forward default or never)")
+    pipeline_gradient_sync: str = option(
+        "step", "pipeline parallelism with FSDP: when each FSDP unit reduce-scatters its gradients. step = once, "
+        "after the rank's last backward (torch's default: the unsharded gradients of every gathered unit "
+        "accumulate in training.reduce_dtype over the step's microbatches); microbatch = in every microbatch's "
+        "backward, overlapped with the next unit's backward (those unsharded gradients never accumulate; costs "
+        "microbatches x the reduce-scatters, and the sharded gradient sums the microbatches in the weights' dtype). "
+        "Not with the split-backward schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)",
+        choices=("step", "microbatch"))
     fsdp_reshard_after_forward: str = option(
         "default", "free gathered parameters after forward: default = yes without pipeline parallelism, no with "
         "it (each microbatch would gather the stage's weights again); the output head always keeps them",

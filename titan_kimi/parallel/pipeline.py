@@ -100,6 +100,45 @@ def _accepts(fn: Callable, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
+@contextlib.contextmanager
+def _gradient_sync_held(module: nn.Module, *, reshard_after_backward: bool):
+    """FSDP reduce-scatters every unit's gradients in this backward and reshards as ``reshard_after_backward``
+    says: torch's stage turns both off before every backward (its no-sync accumulation), so its two setters are
+    shadowed on this module for the backward's duration."""
+    module.set_requires_gradient_sync(True)
+    module.set_reshard_after_backward(reshard_after_backward)
+    names = ("set_requires_gradient_sync", "set_reshard_after_backward")
+    for name in names:
+        object.__setattr__(module, name, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        for name in names:
+            object.__delattr__(module, name)
+
+
+def _microbatch_sync_stage_class():
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+
+    class MicrobatchSyncStage(PipelineStage):
+        """A stage whose FSDP units reduce-scatter their gradients in every microbatch's backward (each unit's
+        post-backward hook, overlapped with the next unit's backward) instead of accumulating them unsharded
+        until torch's REDUCE_GRAD after the last one. Gradients are summed either way (divide factor 1, the
+        loss normalised by the step's valid tokens); REDUCE_GRAD then finds nothing left to reduce and
+        reshards."""
+
+        reshard_after_backward = False
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+            if not isinstance(self.submod, FSDPModule):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            with _gradient_sync_held(self.submod, reshard_after_backward=self.reshard_after_backward):
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    return MicrobatchSyncStage
+
+
 def build_schedule(
     plan: PipelinePlan,
     stage_modules: Sequence[tuple[int, PipelineStageModule]],
@@ -111,12 +150,21 @@ def build_schedule(
     seq_len: int,
     images: ImageSlots | None = None,
     patch_size: int = 14,
+    gradient_sync: str = "step",
+    reshard_after_forward: bool = False,
 ):
     """The schedule over this rank's ``(stage index, module)`` pairs, with static stage shapes (``images``: the
-    image-text model's per-sample image slots, ``patch_size`` its tower's)."""
+    image-text model's per-sample image slots, ``patch_size`` its tower's). ``gradient_sync``: ``step`` (torch's
+    no-sync accumulation, one reduce-scatter after the last backward) or ``microbatch`` (every backward
+    reduce-scatters; the gathered weights are freed after each backward when ``reshard_after_forward``)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+    if gradient_sync not in ("step", "microbatch"):
+        raise ValueError(f"gradient_sync {gradient_sync!r}: valid step, microbatch")
+    stage_class = PipelineStage
+    if gradient_sync == "microbatch":
+        stage_class = _microbatch_sync_stage_class()
     stages = []
     for index, module in stage_modules:
         inputs, outputs = stage_io_metas(module.part, microbatch, seq_len, module.boundary_dtype, images,
@@ -126,8 +174,11 @@ def build_schedule(
         if _accepts(PipelineStage.__init__, "input_grads"):
             extra = dict(input_grads=(None,) * len(inputs) if module.part.is_first else inputs,
                          output_grads=None if module.part.is_last else outputs)
-        stages.append(PipelineStage(module, index, plan.num_stages, device, input_args=inputs,
-                                    output_args=outputs, group=group, **extra))
+        stage = stage_class(module, index, plan.num_stages, device, input_args=inputs, output_args=outputs,
+                            group=group, **extra)
+        if gradient_sync == "microbatch":
+            stage.reshard_after_backward = reshard_after_forward
+        stages.append(stage)
     cls = get_schedule_class(plan.schedule)
     single = issubclass(cls, PipelineScheduleSingle)
     # The last stage's module already returns the normalised loss: the schedule's loss function passes it on.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from titan_kimi.parallel.pipeline_plan import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, PipelinePlan
+from titan_kimi.parallel.pipeline_plan import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, PipelinePlan
 
 FORWARD, BACKWARD, INPUT, WEIGHT = "F", "B", "I", "W"
 
@@ -189,4 +189,4 @@ def simulate(plan: PipelinePlan, n_microbatches: int, times: dict[int, StageTime
 
 def uses_split_backward(schedule: str) -> bool:
     """Whether the schedule runs input and weight gradients as separate actions."""
-    return schedule in ("InterleavedZeroBubble", "ZBVZeroBubble") or schedule in V_SCHEDULES
+    return schedule in SPLIT_BACKWARD_SCHEDULES
