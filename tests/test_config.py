@@ -321,6 +321,13 @@ BAD_CONFIGS = {
                                               "multiply to 4"]),
     "experts_do_not_divide": (None, ["--job.world_size", "8", "--parallelism.expert_parallel_degree", "3"],
                               ["parallelism.expert_parallel_degree = 3", "command line", "a divisor of 8"]),
+    "gradient_sync_unknown": (None, ["--parallelism.pipeline_gradient_sync", "layer"],
+                              ['parallelism.pipeline_gradient_sync = "layer"', "command line", "step|microbatch"]),
+    "gradient_sync_with_split_backward": (None, ["--parallelism.pipeline_gradient_sync", "microbatch",
+                                                 "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+                                          ['parallelism.pipeline_gradient_sync = "microbatch"',
+                                           'parallelism.pipeline_parallel_schedule = "ZBVZeroBubble"',
+                                           "1F1B, GPipe, Interleaved1F1B, LoopedBFS"]),
     "shard_degree_mismatch": (None, ["--job.world_size", "4", "--parallelism.data_parallel_shard_degree", "3"],
                               ["parallelism.data_parallel_shard_degree = 3", "-1 or 4"]),
 }

@@ -1,9 +1,10 @@
 """Per-rank parameter and memory estimate of a layout (the dry run prints it; built on the meta device).
 
 Counted: this rank's shard of the parameters, their gradients and the Adam moments, plus the gathered weights
-(``titan_kimi.parallel.stage_params``): under pipeline parallelism FSDP keeps every gathered unit of the stage,
-and the unsharded gradients, for the whole step (``reshard_after_forward`` off); otherwise the two largest units
-are in flight (one computing, one prefetched). Activations only on request
+and their unsharded gradients (``titan_kimi.parallel.stage_params``): under pipeline parallelism FSDP keeps every
+gathered unit of the stage for the whole step (unless ``pipeline_gradient_sync = microbatch`` with
+``reshard_after_forward = always``), and the unsharded gradients too (unless ``pipeline_gradient_sync =
+microbatch``); otherwise the two largest units are in flight (one computing, one prefetched). Activations only on request
 (``job.estimate_activations``): measured on fake tensors by ``titan_kimi.parallel.activation_estimate``, for one
 (micro)batch per stage (pipeline schedules keep several in flight on early stages). Not counted: communication
 buffers, the allocator's slack.
@@ -13,9 +14,8 @@ from __future__ import annotations
 
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
-from titan_kimi.parallel.fsdp import reshard_after_forward
 from titan_kimi.parallel.layout import ParallelLayout
-from titan_kimi.parallel.stage_params import RankBytes, count_stage_params, rank_bytes
+from titan_kimi.parallel.stage_params import RankBytes, count_stage_params, holding_from_config, rank_bytes
 from titan_kimi.training.setup.build import build_meta_model
 
 def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range) -> tuple[int, RankBytes]:
@@ -24,11 +24,7 @@ def _stage_bytes(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, layer_range
                              warmup_trains=cfg.indexer.warmup_trains,
                              layer_range=layer_range)
     counts = count_stage_params(model)
-    compute = DTYPES[cfg.training.param_dtype] if cfg.training.mixed_precision else DTYPES[cfg.model.dtype]
-    keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=layout.pp > 1)
-    held = rank_bytes(counts, fsdp=layout.fsdp, efsdp=layout.efsdp, weight_bytes=compute.itemsize,
-                      state_bytes=DTYPES[cfg.optimizer.state_dtype].itemsize, keep_gathered=keep,
-                      reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize)
+    held = rank_bytes(counts, fsdp=layout.fsdp, efsdp=layout.efsdp, holding=holding_from_config(cfg, layout))
     total = counts.dense + counts.dense_frozen + counts.experts + counts.experts_frozen
     return int(total / layout.fsdp + counts.fp32 + counts.fp32_frozen), held
 
@@ -64,9 +60,10 @@ def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, *, activa
             params, states = params + p, states + held.shards / 2**30
             gathered += (held.gathered + held.gathered_grads) / 2**30
         where = f"pp rank {rank}" if plan is not None else "every rank"
-        keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=layout.pp > 1)
-        kept = ("gathered weights and their unsharded gradients, kept for the whole step" if keep
-                else "gathered weights in flight")
+        h = holding_from_config(cfg, layout)
+        kept = ("gathered weights and their unsharded gradients, kept for the whole step" if h.accumulate_grads
+                else "gathered weights, kept for the whole step, and unsharded gradients in flight"
+                if h.keep_gathered else "gathered weights and unsharded gradients in flight")
         lines.append(f"{where}: {params / 1e9:.3f} B params per rank, {states:.1f} GiB params + grads + Adam "
                      f"moments, + {gathered:.1f} GiB {kept} = {states + gathered:.1f} GiB "
                      f"(activations not included)")

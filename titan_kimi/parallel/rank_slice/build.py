@@ -19,13 +19,12 @@ from titan_kimi.dtypes import DTYPES
 from titan_kimi.lora import LoRASettings
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.model import KimiK3Model
-from titan_kimi.parallel.fsdp import reshard_after_forward
 from titan_kimi.parallel.layout import ParallelLayout
 from titan_kimi.parallel.parallelize import _ac_and_compile
 from titan_kimi.parallel.pipeline import PipelineStageModule
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
 from titan_kimi.parallel.rank_slice.local_experts import LocalDispatch, localize_experts
-from titan_kimi.parallel.stage_params import RankBytes, count_stage_params, rank_bytes
+from titan_kimi.parallel.stage_params import RankBytes, count_stage_params, holding_from_config, rank_bytes
 from titan_kimi.training.setup.build import build_meta_model, vision_args_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 
@@ -131,12 +130,10 @@ def build_rank_slice(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, tokeniz
         stage = PipelineStageModule(model, LinearCrossEntropyLoss(cfg.training.loss_chunk_size),
                                     boundary_dtype=dtype)
         stages.append((index, stage))
-    keep = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=layout.pp > 1) is False
-    weight, state = dtype.itemsize, DTYPES[cfg.optimizer.state_dtype].itemsize
+    holding = holding_from_config(cfg, layout)
     bytes_ = RankBytes(0.0, 0.0, 0.0)
     for c in counted:
-        b = rank_bytes(c, fsdp=layout.fsdp, efsdp=layout.efsdp, weight_bytes=weight, state_bytes=state,
-                       keep_gathered=keep, reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize)
+        b = rank_bytes(c, fsdp=layout.fsdp, efsdp=layout.efsdp, holding=holding)
         bytes_ = RankBytes(bytes_.shards + b.shards, bytes_.gathered + b.gathered,
                            bytes_.gathered_grads + b.gathered_grads)
     return RankSlice(stages, dropped, load if layout.ep > 1 else None, dispatches, bytes_,

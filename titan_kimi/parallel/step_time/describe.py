@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from titan_kimi.config.validation import validate_job_config
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.step_time.comm import Network
 from titan_kimi.parallel.step_time.estimate import Settings, StepEstimate, StepTimeModel
@@ -58,6 +59,7 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
                         microbatch=layout.microbatch_size, schedule=schedule)
             try:
                 other = resolve_layout(c, layout.world_size, args, image_text=vision is not None)
+                validate_job_config(c, None, layout.world_size, check_registry=False)  # the trainer's rules too
             except ValueError as err:
                 lines.append(f"step time with {schedule}: not a valid layout ({str(err).split(';')[0]})")
                 continue

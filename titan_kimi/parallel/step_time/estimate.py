@@ -27,7 +27,7 @@ from titan_kimi.parallel.layout import ParallelLayout
 from titan_kimi.parallel.pipeline_plan import PipelinePlan
 from titan_kimi.parallel.rank_slice.build import compute_dtype
 from titan_kimi.parallel.rank_slice.microbatch import DEFAULT_ROWS, doc_ids_for, image_grid, parse_rows
-from titan_kimi.parallel.stage_params import StageParams, count_stage_params, rank_bytes
+from titan_kimi.parallel.stage_params import StageParams, count_stage_params, holding_from_config, rank_bytes
 from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
 from titan_kimi.parallel.step_time.schedules import (StageTimes, Timeline, peak_in_flight, rank_orders, simulate,
                                                      uses_split_backward)
@@ -232,7 +232,10 @@ class StepTimeModel:
         tokens = rows * t.seq_len // layout.cp
         works = self.works(layout, rows)
         ranges = plan.ranges if plan is not None else ((0, a.n_layers),)
+        # gathered once, in the first microbatch's forward, or again in every forward and backward
         keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=plan is not None)
+        # reduce-scattered once after the last backward (torch's REDUCE_GRAD), or in every backward
+        step_sync = plan is not None and cfg.parallelism.pipeline_gradient_sync == "step"
         wbytes = self.dtype.itemsize
         reduce_bytes = DTYPES[t.reduce_dtype].itemsize  # parallelize passes reduce_dtype with or without mixed precision
         times, first_forward, transfer, notes = {}, {}, {}, []
@@ -247,11 +250,13 @@ class StepTimeModel:
             layer_f, layer_b = f / max(1, len(gather)), (i + w) / max(1, len(gather))
             exposed_ag = _exposed(gather, layer_f)
             gathers[s], layer_forward[s] = gather, layer_f
-            if keep:  # gathered in the first microbatch's forward; reduce-scattered after the last backward
-                first_forward[s], fsdp_end[s], fsdp_micro[s] = exposed_ag, sum(scatter), (0.0, 0.0)
-            else:  # every microbatch: gather in the forward, gather again and reduce-scatter in the backward
-                back = _exposed(gather, layer_b) + sum(max(0.0, x - layer_b) for x in scatter)
-                first_forward[s], fsdp_end[s], fsdp_micro[s] = 0.0, 0.0, (exposed_ag, back)
+            # a unit's reduce-scatter in the backward hides behind the next unit's backward where it can
+            scatter_micro = 0.0 if step_sync else sum(max(0.0, x - layer_b) for x in scatter)
+            fsdp_end[s] = sum(scatter) if step_sync else 0.0
+            if keep:
+                first_forward[s], fsdp_micro[s] = exposed_ag, (0.0, scatter_micro)
+            else:  # every microbatch gathers in the forward and again in the backward
+                first_forward[s], fsdp_micro[s] = 0.0, (exposed_ag, _exposed(gather, layer_b) + scatter_micro)
             times[s] = StageTimes(f + cf + fsdp_micro[s][0], i + cb + fsdp_micro[s][1], w)
             if plan is not None and s + 1 < plan.num_stages:
                 transfer[s] = net.point_to_point(self._boundary_bytes(ranges[s][1], tokens),
@@ -299,14 +304,16 @@ class StepTimeModel:
         }
         step_flops = sum(w.total.total for w in works.values()) * n_micro * layout.dp
         step_tokens = global_batch * t.seq_len
-        memory, memory_note = self._memory(layout, plan_used, n_micro, counts, tokens, keep)
+        memory, memory_note = self._memory(layout, plan_used, n_micro, counts, tokens)
         source = (f"measured ({self.s.table.path.name}, {self.s.table.hardware})" if not notes else
                   f"FLOP-rate fallback at {self.s.fallback_mfu:.0%} of peak for {sorted(set(notes))} "
                   f"({self.s.table.missing or 'not in the table'}): not measured")
         p = cfg.parallelism
         fsdp = ", ".join(x for x in (f"reshard_after_forward {p.fsdp_reshard_after_forward}"
                                      if p.fsdp_reshard_after_forward != "default" else "",
-                                     "weights prefetched" if p.pipeline_prefetch_weights else "") if x)
+                                     "weights prefetched" if p.pipeline_prefetch_weights else "",
+                                     "gradients reduced every microbatch"
+                                     if plan is not None and p.pipeline_gradient_sync == "microbatch" else "") if x)
         return StepEstimate(layout, step, terms, step_tokens / step / layout.world_size,
                             step_flops / step / layout.world_size / self.s.peak_flops, memory, memory_note, source,
                             fsdp)
@@ -336,19 +343,18 @@ class StepTimeModel:
         return params * OPTIMIZER_BYTES / HBM_BYTES_PER_S
 
     def _memory(self, layout: ParallelLayout, plan: PipelinePlan, n_micro: int, counts: dict[int, StageParams],
-                tokens: int, keep: bool) -> tuple[float | None, str]:
+                tokens: int) -> tuple[float | None, str]:
         """The fullest rank's GiB: its parameters' bytes (``stage_params.rank_bytes``) + the activations its
         schedule holds (full checkpointing: each layer's inputs and the block banks per microbatch in flight)
         + the largest measured transient of one layer's recompute and backward."""
         a, cfg = self.args, self.cfg
         orders = rank_orders(plan, n_micro) if plan.pp > 1 else {0: []}
         worst, note = 0.0, ""
-        state = DTYPES[cfg.optimizer.state_dtype].itemsize
+        holding = holding_from_config(cfg, layout)
         for r in range(plan.pp):
             stages = plan.stages_of_rank(r)
-            held = sum(rank_bytes(counts[s], fsdp=layout.fsdp, efsdp=layout.efsdp, weight_bytes=self.dtype.itemsize,
-                                  state_bytes=state, keep_gathered=keep,
-                                  reduce_bytes=DTYPES[cfg.training.reduce_dtype].itemsize).total for s in stages)
+            held = sum(rank_bytes(counts[s], fsdp=layout.fsdp, efsdp=layout.efsdp, holding=holding).total
+                       for s in stages)
             flight = peak_in_flight(orders[r]) if plan.pp > 1 else {stages[0]: 1}
             acts = 0.0
             for s in stages:

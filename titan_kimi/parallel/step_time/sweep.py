@@ -31,24 +31,26 @@ class Candidate:
 
 
 def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int, schedule: str,
-            fsdp: tuple[str, bool] | None = None):
+            fsdp: tuple[str, bool, str] | None = None):
     """``cfg`` with these degrees at ``world_size`` GPUs (the recipe's global batch spread over the data-parallel
     ranks), or None when the batch does not spread. ``fsdp``: (fsdp_reshard_after_forward,
-    pipeline_prefetch_weights); None keeps the recipe's (the prefetch only under pipeline parallelism)."""
+    pipeline_prefetch_weights, pipeline_gradient_sync); None keeps the recipe's (the prefetch only under
+    pipeline parallelism)."""
     t = cfg.training
     dp = world_size // (pp * cp)
     global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
     if world_size % (pp * cp) or global_batch % dp:
         return None
     p = cfg.parallelism
-    reshard, prefetch = fsdp or (p.fsdp_reshard_after_forward, p.pipeline_prefetch_weights and pp > 1)
+    reshard, prefetch, sync = fsdp or (p.fsdp_reshard_after_forward, p.pipeline_prefetch_weights and pp > 1,
+                                       p.pipeline_gradient_sync)
     out = copy.copy(cfg)  # the sections that change are new objects; the others are shared
     out.parallelism = dataclasses.replace(
         cfg.parallelism, pipeline_parallel_degree=pp, context_parallel_degree=cp, expert_parallel_degree=ep,
         data_parallel_shard_degree=-1, data_parallel_replicate_degree=1,
         pipeline_parallel_schedule=schedule if pp > 1 else "1F1B", pipeline_parallel_stages_per_rank=0,
         pipeline_parallel_split=[], pipeline_parallel_microbatch_size=microbatch if pp > 1 else 1,
-        fsdp_reshard_after_forward=reshard, pipeline_prefetch_weights=prefetch)
+        fsdp_reshard_after_forward=reshard, pipeline_prefetch_weights=prefetch, pipeline_gradient_sync=sync)
     out.training = dataclasses.replace(cfg.training, local_batch_size=global_batch // dp,
                                        global_batch_size=global_batch)
     out.job = dataclasses.replace(cfg.job, world_size=world_size)
@@ -79,14 +81,17 @@ def candidates(cfg, args, world_size: int, *, image_text: bool = False) -> tuple
     return found, rejected
 
 
-def _pipelines(cfg, pp: int) -> list[tuple[int, str, tuple[str, bool]]]:
+def _pipelines(cfg, pp: int) -> list[tuple[int, str, tuple[str, bool, str]]]:
     """(microbatch size, schedule, FSDP handling) of a pipeline degree: under pipeline parallelism the recipe's
-    FSDP setting, with the weight prefetch, and regathering every microbatch (``always``: less memory)."""
-    reshard = cfg.parallelism.fsdp_reshard_after_forward
+    FSDP setting, with the weight prefetch, and regathering every microbatch (``always``), each with the
+    gradients reduce-scattered once per step; and the recipe's and ``always`` with them reduce-scattered every
+    microbatch (less memory)."""
+    reshard, sync = cfg.parallelism.fsdp_reshard_after_forward, cfg.parallelism.pipeline_gradient_sync
     if pp == 1:
-        return [(1, "1F1B", (reshard, False))]
-    kept = [(reshard, False), (reshard, True)] if reshard != "always" else [(reshard, False)]
-    fsdp = [*kept, ("always", False)] if reshard != "always" else kept
+        return [(1, "1F1B", (reshard, False, sync))]
+    kept = [(reshard, False, "step"), (reshard, True, "step")] if reshard != "always" else [(reshard, False, "step")]
+    fsdp = [*kept, ("always", False, "step")] if reshard != "always" else kept
+    fsdp += [(reshard, False, "microbatch")] + ([("always", False, "microbatch")] if reshard != "always" else [])
     return [(mb, s, f) for mb in MICROBATCH_SIZES for s in SCHEDULES for f in fsdp]
 
 
