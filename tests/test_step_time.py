@@ -117,3 +117,38 @@ def test_dry_run_estimates_the_step_and_recommends_a_layout(capsys):
     assert speeds == sorted(speeds, reverse=True)
     out = run_main(capsys, *STEP_TIME, "--step_time.memory_gib", "1e-9")
     assert "# recommended for 8 GPUs: none fits in 1e-09 GiB" in out
+
+
+def test_memory_drops_the_accumulated_gradients_when_they_are_reduced_every_microbatch():
+    """One Holding for the dry run, this estimate and the rank slice: under PP the step-end reduction keeps every
+    unit's unsharded fp32 gradients (the local experts' too, at efsdp 1); microbatch sync keeps two units' in
+    flight; with reshard_after_forward = always only two units stay gathered."""
+    import dataclasses
+
+    from titan_kimi.config.sections import JobConfig
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.parallel.layout import resolve_layout
+    from titan_kimi.parallel.stage_params import StageParams, holding_from_config, rank_bytes
+
+    cfg = JobConfig()
+    cfg.model = dataclasses.replace(cfg.model, dtype="bfloat16")
+    cfg.training = dataclasses.replace(cfg.training, mixed_precision=False, local_batch_size=8,
+                                       global_batch_size=-1, seq_len=64)
+    stage = StageParams(dense=1000, dense_frozen=0, experts=64000, experts_frozen=0, fp32=0, fp32_frozen=0,
+                        units=(400, 300, 300), expert_units=(32000, 32000))
+
+    def held(**parallelism):
+        c = dataclasses.replace(cfg, parallelism=dataclasses.replace(
+            cfg.parallelism, pipeline_parallel_degree=2, expert_parallel_degree=4, **parallelism))
+        layout = resolve_layout(c, 16, model_args_for("k31_debug"))
+        return rank_bytes(stage, fsdp=layout.fsdp, efsdp=layout.efsdp, holding=holding_from_config(c, layout))
+
+    step, micro = held(), held(pipeline_gradient_sync="microbatch")
+    always = held(pipeline_gradient_sync="microbatch", fsdp_reshard_after_forward="always")
+    # fsdp 8 = ep 4 x efsdp 2: a layer's local experts are 32000 / 4 = 8000 elements, gathered in bf16
+    assert step.gathered == micro.gathered == (1000 + 2 * 8000) * 2
+    assert step.gathered_grads == (1000 + 2 * 8000) * 4  # fp32, kept for the step
+    assert micro.gathered_grads == always.gathered_grads == (8000 + 8000) * 4  # two units in flight
+    assert always.gathered == (8000 + 8000) * 2 and step.shards == micro.shards == always.shards
+    # step-end sync keeps every unit gathered from its first backward on, whatever reshard_after_forward says
+    assert held(fsdp_reshard_after_forward="always").total == step.total
