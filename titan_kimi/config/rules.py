@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from titan_kimi.config.errors import ConfigError, bad_value, mention
 from titan_kimi.config.sections import JobConfig
-from titan_kimi.parallel.pipeline_plan import SPLIT_BACKWARD_SCHEDULES
+from titan_kimi.config.schedules import SPLIT_BACKWARD_SCHEDULES
 
 SourceOf = Callable[[str], str]
 Rule = Callable[[JobConfig, SourceOf], None]

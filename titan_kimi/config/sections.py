@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, make_dataclass
 from lowerings.catalog import BACKEND_OPS
 from lowerings.settings import FLA_CONFIG_CHOICES, KernelSettings
 from titan_kimi.config.options import Bounds, above, at_least, between, option
+from titan_kimi.config.schedules import SCHEDULES
 
 DTYPES = ("bfloat16", "float32")
 
@@ -140,8 +141,7 @@ class Parallelism:
     pipeline_parallel_schedule: str = option(
         "1F1B", "pipeline schedule (torch.distributed.pipelining); Interleaved*/LoopedBFS run 2+ stages per rank, "
         "ZBVZeroBubble/DualPipeV exactly 2 in a V",
-        choices=("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS", "ZBVZeroBubble",
-                 "DualPipeV"))
+        choices=SCHEDULES)
     pipeline_parallel_stages_per_rank: int = option(
         0, "pipeline stages on each rank (virtual stages); 0 = the schedule's own (1 for 1F1B/GPipe, else 2)",
         bounds=at_least(0))

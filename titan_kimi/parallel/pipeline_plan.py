@@ -9,13 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Schedules of torch.distributed.pipelining by how they place stages on ranks.
-SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
-LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2 * pp - 1 - r
-# input and weight gradients as separate actions (FSDP's post-backward hooks fire after the input half)
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
+from titan_kimi.config.schedules import LOOPED_SCHEDULES, SCHEDULES, SINGLE_STAGE_SCHEDULES, V_SCHEDULES
 
 
 @dataclass(frozen=True)

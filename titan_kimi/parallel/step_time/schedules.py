@@ -17,7 +17,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from titan_kimi.parallel.pipeline_plan import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, PipelinePlan
+from titan_kimi.config.schedules import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from titan_kimi.parallel.pipeline_plan import PipelinePlan
 
 FORWARD, BACKWARD, INPUT, WEIGHT = "F", "B", "I", "W"
 
