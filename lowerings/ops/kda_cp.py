@@ -22,9 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lowerings.ops.kda import BACKENDS
+from lowerings.ops.kda import BACKENDS, _use_fla
 from lowerings.ops.kda_reference import kda_rows_reference
-from lowerings.ops.registry import on_cuda, selected_backend
 from lowerings.ops.sequence_shards import (all_gather_autograd, check_layout, chunk_slots, local_positions,
                                           parts_per_rank, rank_chunks)
 
@@ -36,10 +35,6 @@ def _group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
-
-
-def _use_fla(q: torch.Tensor) -> bool:
-    return selected_backend("kda") == "fla" and on_cuda(q)
 
 
 def _incoming_states(maps: torch.Tensor, group: dist.ProcessGroup, layout: str, V: int) -> torch.Tensor:
