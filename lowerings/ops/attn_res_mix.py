@@ -15,6 +15,10 @@ BACKENDS = op_backends("attn_res_mix")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
 
 
+def _triton(partial: torch.Tensor) -> bool:
+    return selected_backend("attn_res_mix") == "triton" and partial.is_cuda
+
+
 def attn_res_mix_reference(
     bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -39,7 +43,7 @@ def _vjp_backward(grad, bank, partial, norm_weight, proj_weight, eps):
 def attn_res_mix_op(
     bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    if selected_backend("attn_res_mix") == "triton" and partial.is_cuda:
+    if _triton(partial):
         from lowerings.kernels.attn_res_mix import attn_res_mix_forward
 
         return attn_res_mix_forward(bank, partial, norm_weight, proj_weight, eps)
@@ -61,7 +65,7 @@ def attn_res_mix_backward_op(
     eps: float,
 ) -> list[torch.Tensor]:
     """Gradients for (bank, partial, norm_weight, proj_weight)."""
-    if selected_backend("attn_res_mix") == "triton" and partial.is_cuda:
+    if _triton(partial):
         from lowerings.kernels.attn_res_mix import attn_res_mix_backward
 
         return list(attn_res_mix_backward(grad, bank, partial, norm_weight, proj_weight, eps))
@@ -127,7 +131,6 @@ def attn_res_mix(
             f"attn_res_mix expects bank [N,m,H] and partial [N,H], got {tuple(bank.shape)} and {tuple(partial.shape)}"
         )
     args = (bank.contiguous(), partial.contiguous(), norm_weight.reshape(-1), proj_weight.reshape(-1), eps)
-    if (torch.compiler.is_compiling() and triton_ops_enabled() and selected_backend("attn_res_mix") == "triton"
-            and partial.is_cuda):
+    if torch.compiler.is_compiling() and triton_ops_enabled() and _triton(partial):
         return attn_res_mix_triton_op(*args)  # Inductor-visible kernels (the inductor compile mode)
     return attn_res_mix_op(*args)

@@ -54,6 +54,15 @@ def _differentiable_inputs(q, k, v, g, beta, A_log, dt_bias, initial_state):
     return [x for x in (q, k, v, g, beta, A_log, dt_bias, initial_state) if x is not None]
 
 
+def check_shapes(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, expected: str = "") -> None:
+    """ValueError naming ``what`` unless q = k = g = [B,T,H,K], v = [B,T,H,V], beta = [B,T,H]: the contract of
+    ``kda`` and of its context-parallel form (lowerings/ops/kda_cp.py)."""
+    if q.shape != k.shape or g.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
+        raise ValueError(f"{what} shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"g {tuple(g.shape)}, beta {tuple(beta.shape)}{expected}")
+
+
 def _reference_backward(
     d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk
 ):
@@ -207,11 +216,7 @@ def kda(
     """Kimi Delta Attention; see docs/ops.md. Returns (o, final_state or None)."""
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(f"kda with cu_seqlens needs batch 1 (packed tokens), got q of shape {tuple(q.shape)}")
-    if q.shape != k.shape or g.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
-        raise ValueError(
-            f"kda shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
-            f"beta {tuple(beta.shape)}; expected q = k = g = [B,T,H,K], v = [B,T,H,V], beta = [B,T,H]"
-        )
+    check_shapes("kda", q, k, v, g, beta, expected="; expected q = k = g = [B,T,H,K], v = [B,T,H,V], beta = [B,T,H]")
     o, final, _ = kda_op(
         q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk
     )

@@ -22,9 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lowerings.ops.kda import BACKENDS
+from lowerings.ops.kda import BACKENDS, _use_fla, check_shapes
 from lowerings.ops.kda_reference import kda_rows_reference
-from lowerings.ops.registry import on_cuda, selected_backend
 from lowerings.ops.sequence_shards import (all_gather_autograd, check_layout, chunk_slots, local_positions,
                                           parts_per_rank, rank_chunks)
 
@@ -36,10 +35,6 @@ def _group(group_name: str) -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
-
-
-def _use_fla(q: torch.Tensor) -> bool:
-    return selected_backend("kda") == "fla" and on_cuda(q)
 
 
 def _incoming_states(maps: torch.Tensor, group: dist.ProcessGroup, layout: str, V: int) -> torch.Tensor:
@@ -199,9 +194,7 @@ def kda_context_parallel(
     if L % parts_per_rank(layout) or seg_start.shape != (B, L):
         raise ValueError(f"kda_context_parallel: {L} local tokens per row and seg_start {tuple(seg_start.shape)}; "
                          f"expected [B={B}, L={L}] with L a multiple of {parts_per_rank(layout)} ({layout})")
-    if q.shape != k.shape or g.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
-        raise ValueError(f"kda_context_parallel shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+    check_shapes("kda_context_parallel", q, k, v, g, beta)
     if _use_fla(q):
         if A_log is None or not l2norm_qk:
             raise ValueError("the fla kda backend runs the K3 configuration (l2norm_qk=True, gate from A_log)")

@@ -123,6 +123,18 @@ def _chunked_rows(
     return o[:, :T], state
 
 
+def _fp32_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lower_bound: float | None,
+                 l2norm_qk: bool) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta) as the recurrence takes them: fp32, q and k l2-normalised when asked, g the log-space
+    gate of the raw input when ``A_log`` is given (else used as given)."""
+    qf, kf, vf, bf = q.float(), k.float(), v.float(), beta.float()
+    if l2norm_qk:
+        qf, kf = l2norm(qf), l2norm(kf)
+    gf = kda_gate(g, A_log, dt_bias, lower_bound) if A_log is not None else g.float()
+    return qf, kf, vf, gf, bf
+
+
 def kda_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,10 +153,7 @@ def kda_reference(
     """The ``kda`` op contract (docs/ops.md) in plain PyTorch; differentiable through autograd."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    qf, kf, vf, bf = q.float(), k.float(), v.float(), beta.float()
-    if l2norm_qk:
-        qf, kf = l2norm(qf), l2norm(kf)
-    gf = kda_gate(g, A_log, dt_bias, lower_bound) if A_log is not None else g.float()
+    qf, kf, vf, gf, bf = _fp32_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, l2norm_qk)
     if cu_seqlens is None:
         state = initial_state.float() if initial_state is not None else qf.new_zeros(B, H, K, V)
         o, final = _chunked_rows(qf, kf, vf, gf, bf, scale, None, state)
@@ -192,9 +201,6 @@ def kda_rows_reference(
     the row, which alone starts from ``initial_state [B,H,K,V]``. Returns ``o [B,T,H,V]`` and the state after
     each row's last token, both fp32 (the caller adds to o before rounding). Differentiable through autograd.
     """
-    qf, kf, vf, bf = q.float(), k.float(), v.float(), beta.float()
-    if l2norm_qk:
-        qf, kf = l2norm(qf), l2norm(kf)
-    gf = kda_gate(g, A_log, dt_bias, lower_bound) if A_log is not None else g.float()
+    qf, kf, vf, gf, bf = _fp32_inputs(q, k, v, g, beta, A_log, dt_bias, lower_bound, l2norm_qk)
     o, final = _chunked_rows(qf, kf, vf, gf, bf, scale, seg_start, initial_state.float())
     return o, final

@@ -120,10 +120,14 @@ def refuse_output_in_source(source: str | Path, out: str | Path) -> None:
                          f"destroy the checkpoint being read. Choose an output outside the source")
 
 
+def _refuse_existing(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise ValueError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+
+
 def _replace_dir(tmp: Path, out: Path, overwrite: bool) -> None:
+    _refuse_existing(out, overwrite)  # again: the output may have appeared during the conversion
     if out.exists():
-        if not overwrite:
-            raise ValueError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
         shutil.rmtree(out)
     os.replace(tmp, out)
 
@@ -144,8 +148,7 @@ def hf_to_dcp(
     converted too (all of them: strict); None converts the text model and skips them."""
     out = Path(out_path)
     refuse_output_in_source(hf_path, out)
-    if out.exists() and not overwrite:
-        raise ValueError(f"output {str(out)!r} already exists; pass overwrite=True (--overwrite) to replace it")
+    _refuse_existing(out, overwrite)  # before the conversion's work, not only at its end
     args = args if args is not None else model_args_from_hf(hf_path)
     specs, fp32 = model_tensor_specs(args, dtype, vision)
     destinations = [Destination(fqn, t, tuple(t.shape), (0,) * t.dim()) for fqn, t in specs.items()]
