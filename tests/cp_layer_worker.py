@@ -26,6 +26,7 @@ from titan_kimi.models.kimi_k3 import build_sequence_info, model_args_for
 from titan_kimi.models.kimi_k3.delta_attention import KimiDeltaAttention
 from titan_kimi.models.kimi_k3.mla import GatedMLA
 from titan_kimi.parallel.context_parallel import ContextParallel
+from tests.worker_exit import run_and_exit
 
 B, S = 2, 192  # 192 = 2 * 4 * 24: 24-token pieces under zigzag over 4 ranks
 
@@ -119,4 +120,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_and_exit(main)

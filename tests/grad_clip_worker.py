@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from titan_kimi.training.optim.grad_clip import clip_gradients
+from tests.worker_exit import run_and_exit
 
 SHAPES = [(8, 5), (6,), (3, 4), (5, 2)]  # (6,) and (5, 2) do not split evenly over 2 ranks
 
@@ -49,4 +50,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_and_exit(main)

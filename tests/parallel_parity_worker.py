@@ -35,6 +35,7 @@ from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.setup.seeded_init import init_weights_seeded
 
 from test_checkpoint_hf_stages import assert_same_checkpoint, fill_adapters, logits_with_an_image
+from tests.worker_exit import run_and_exit
 
 GLOBAL_BATCH = 8
 COMMON = ["--job.config_file", "train_configs/k31_debug.toml", "--model.flavor", "k31_debug_pp",
@@ -356,4 +357,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_and_exit(main)

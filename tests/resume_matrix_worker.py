@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from resume_runs import SHIPPED, STEPS, build, differences, relative_errors, run
 from titan_kimi.training.process.distributed import DistEnv
+from tests.worker_exit import run_and_exit
 
 LAYOUTS = {
     "fsdp2": ["--training.local_batch_size", "1"],
@@ -93,4 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_and_exit(main)

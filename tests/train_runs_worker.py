@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from tests.worker_exit import run_and_exit
 
 
 def launcher_store() -> dist.Store | None:
@@ -53,4 +54,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    run_and_exit(main)
