@@ -89,6 +89,11 @@ def microbatch_gradient_sync_needs_full_backward(cfg: JobConfig, source_of: Sour
     p = cfg.parallelism
     # FSDP reduce-scatters from its post-backward hooks, which a split backward fires before the weight gradients
     # exist (the input half) or never (the weight half).
+    if p.pipeline_gradient_sync == "microbatch" and p.pipeline_parallel_degree == 1:
+        raise _reject(cfg, "parallelism.pipeline_gradient_sync", source_of,
+                      f"decides when a pipeline stage's FSDP units reduce-scatter, but "
+                      f"{_other(cfg, 'parallelism.pipeline_parallel_degree', source_of)}",
+                      "step without pipeline parallelism (FSDP then reduce-scatters in every backward)")
     if p.pipeline_gradient_sync == "microbatch" and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
         raise _reject(cfg, "parallelism.pipeline_gradient_sync", source_of,
                       f"reduce-scatters in FSDP's post-backward hooks, which "

@@ -165,7 +165,8 @@ class Parallelism:
         "accumulate in training.reduce_dtype over the step's microbatches); microbatch = in every microbatch's "
         "backward, overlapped with the next unit's backward (those unsharded gradients never accumulate; costs "
         "microbatches x the reduce-scatters, and the sharded gradient sums the microbatches in the weights' dtype). "
-        "Not with the split-backward schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)",
+        "Needs pipeline parallelism; not with the split-backward schedules (InterleavedZeroBubble, ZBVZeroBubble, "
+        "DualPipeV)",
         choices=("step", "microbatch"))
     fsdp_reshard_after_forward: str = option(
         "default", "free gathered parameters after forward: default = yes without pipeline parallelism, no with "

@@ -34,8 +34,8 @@ def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int,
             fsdp: tuple[str, bool, str] | None = None):
     """``cfg`` with these degrees at ``world_size`` GPUs (the recipe's global batch spread over the data-parallel
     ranks), or None when the batch does not spread. ``fsdp``: (fsdp_reshard_after_forward,
-    pipeline_prefetch_weights, pipeline_gradient_sync); None keeps the recipe's (the prefetch only under
-    pipeline parallelism)."""
+    pipeline_prefetch_weights, pipeline_gradient_sync); None keeps the recipe's (the prefetch and the gradient
+    sync only under pipeline parallelism)."""
     t = cfg.training
     dp = world_size // (pp * cp)
     global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
@@ -43,7 +43,7 @@ def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int,
         return None
     p = cfg.parallelism
     reshard, prefetch, sync = fsdp or (p.fsdp_reshard_after_forward, p.pipeline_prefetch_weights and pp > 1,
-                                       p.pipeline_gradient_sync)
+                                       p.pipeline_gradient_sync if pp > 1 else "step")
     out = copy.copy(cfg)  # the sections that change are new objects; the others are shared
     out.parallelism = dataclasses.replace(
         cfg.parallelism, pipeline_parallel_degree=pp, context_parallel_degree=cp, expert_parallel_degree=ep,
@@ -82,16 +82,17 @@ def candidates(cfg, args, world_size: int, *, image_text: bool = False) -> tuple
 
 
 def _pipelines(cfg, pp: int) -> list[tuple[int, str, tuple[str, bool, str]]]:
-    """(microbatch size, schedule, FSDP handling) of a pipeline degree: under pipeline parallelism the recipe's
-    FSDP setting, with the weight prefetch, and regathering every microbatch (``always``), each with the
-    gradients reduce-scattered once per step; and the recipe's and ``always`` with them reduce-scattered every
-    microbatch (less memory)."""
-    reshard, sync = cfg.parallelism.fsdp_reshard_after_forward, cfg.parallelism.pipeline_gradient_sync
+    """(microbatch size, schedule, FSDP handling) of a pipeline degree: under pipeline parallelism the gathered
+    weights kept for the step (the recipe's ``default`` or ``never``; ``default`` when it frees them), with and
+    without the weight prefetch, and regathered every microbatch (``always``), each with the gradients
+    reduce-scattered once per step; and kept or regathered with them reduce-scattered every microbatch (less
+    memory). Without it, the recipe's setting (the gradient sync is a pipeline setting)."""
+    reshard = cfg.parallelism.fsdp_reshard_after_forward
     if pp == 1:
-        return [(1, "1F1B", (reshard, False, sync))]
-    kept = [(reshard, False, "step"), (reshard, True, "step")] if reshard != "always" else [(reshard, False, "step")]
-    fsdp = [*kept, ("always", False, "step")] if reshard != "always" else kept
-    fsdp += [(reshard, False, "microbatch")] + ([("always", False, "microbatch")] if reshard != "always" else [])
+        return [(1, "1F1B", (reshard, False, "step"))]
+    kept = reshard if reshard != "always" else "default"
+    fsdp = [(kept, False, "step"), (kept, True, "step"), ("always", False, "step"), (kept, False, "microbatch"),
+            ("always", False, "microbatch")]
     return [(mb, s, f) for mb in MICROBATCH_SIZES for s in SCHEDULES for f in fsdp]
 
 
