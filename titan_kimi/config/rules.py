@@ -85,15 +85,15 @@ def step_time_estimate_is_a_dry_run(cfg: JobConfig, source_of: SourceOf) -> None
                       "\"\" (the shipped table) or a table written by scripts/bench/rank_slice.py")
 
 
-def microbatch_gradient_sync_needs_full_backward(cfg: JobConfig, source_of: SourceOf) -> None:
+def microbatch_gradient_sync_needs_a_pipeline_of_whole_backwards(cfg: JobConfig, source_of: SourceOf) -> None:
     p = cfg.parallelism
-    # FSDP reduce-scatters from its post-backward hooks, which a split backward fires before the weight gradients
-    # exist (the input half) or never (the weight half).
     if p.pipeline_gradient_sync == "microbatch" and p.pipeline_parallel_degree == 1:
         raise _reject(cfg, "parallelism.pipeline_gradient_sync", source_of,
                       f"decides when a pipeline stage's FSDP units reduce-scatter, but "
                       f"{_other(cfg, 'parallelism.pipeline_parallel_degree', source_of)}",
                       "step without pipeline parallelism (FSDP then reduce-scatters in every backward)")
+    # FSDP reduce-scatters from its post-backward hooks, which a split backward fires before the weight gradients
+    # exist (the input half) or never (the weight half).
     if p.pipeline_gradient_sync == "microbatch" and p.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
         raise _reject(cfg, "parallelism.pipeline_gradient_sync", source_of,
                       f"reduce-scatters in FSDP's post-backward hooks, which "
@@ -323,7 +323,7 @@ RULES: tuple[Rule, ...] = (
     activation_estimate_is_a_dry_run,
     step_time_estimate_is_a_dry_run,
     weight_prefetch_needs_kept_weights,
-    microbatch_gradient_sync_needs_full_backward,
+    microbatch_gradient_sync_needs_a_pipeline_of_whole_backwards,
     schedule_fits_in_training,
     selective_ac_option_is_known,
     compile_has_components,

@@ -51,7 +51,7 @@ def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, *, activa
     a second line with the measured activation peak and the total."""
     plan = layout.pipeline
     ranks = range(plan.pp) if plan is not None else [0]
-    lines = []
+    lines, h = [], holding_from_config(cfg, layout)
     for rank in ranks:
         ranges = [plan.ranges[s] for s in plan.stages_of_rank(rank)] if plan is not None else [None]
         params = states = gathered = 0.0
@@ -60,7 +60,6 @@ def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, *, activa
             params, states = params + p, states + held.shards / 2**30
             gathered += (held.gathered + held.gathered_grads) / 2**30
         where = f"pp rank {rank}" if plan is not None else "every rank"
-        h = holding_from_config(cfg, layout)
         kept = ("gathered weights and their unsharded gradients, kept for the whole step" if h.accumulate_grads
                 else "gathered weights, kept for the whole step, and unsharded gradients in flight"
                 if h.keep_gathered else "gathered weights and unsharded gradients in flight")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from titan_kimi.dtypes import DTYPES
@@ -91,6 +92,12 @@ class Holding:
     accumulate_grads: bool
 
 
+def compute_dtype(cfg) -> torch.dtype:
+    """The dtype the layers compute in (and FSDP gathers): param_dtype under mixed precision, else the model's."""
+    t = cfg.training
+    return DTYPES[t.param_dtype] if t.mixed_precision else DTYPES[cfg.model.dtype]
+
+
 def holding_from_config(cfg, layout: ParallelLayout) -> Holding:
     """The trainer's FSDP handling of ``cfg`` and ``layout``. Under pipeline parallelism torch's stage turns
     gradient sync and the reshard after backward off for every microbatch (``pipeline_gradient_sync = step``):
@@ -98,11 +105,10 @@ def holding_from_config(cfg, layout: ParallelLayout) -> Holding:
     and its gradients accumulate unsharded. ``microbatch`` reduce-scatters in every backward, and the gathered
     units stay only when ``reshard_after_forward`` is off."""
     t, pipeline = cfg.training, layout.pp > 1
-    compute = DTYPES[t.param_dtype] if t.mixed_precision else DTYPES[cfg.model.dtype]
     step_sync = pipeline and cfg.parallelism.pipeline_gradient_sync == "step"
     reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=pipeline)
     # parallelize passes reduce_dtype with or without mixed precision
-    return Holding(shard=DTYPES[cfg.model.dtype].itemsize, weight=compute.itemsize,
+    return Holding(shard=DTYPES[cfg.model.dtype].itemsize, weight=compute_dtype(cfg).itemsize,
                    state=DTYPES[cfg.optimizer.state_dtype].itemsize, reduce=DTYPES[t.reduce_dtype].itemsize,
                    keep_gathered=pipeline and (step_sync or not reshard), accumulate_grads=step_sync)
 

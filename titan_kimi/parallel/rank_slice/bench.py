@@ -17,12 +17,13 @@ from titan_kimi.config import load_job_config
 from titan_kimi.data.causal_keys import longest_document
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.parallel.pipeline_images import unpad_images
-from titan_kimi.parallel.rank_slice.build import build_rank_slice, compute_dtype, stages_of
+from titan_kimi.parallel.rank_slice.build import build_rank_slice, stages_of
 from titan_kimi.parallel.rank_slice.expert_load import balanced_load, parse_load
 from titan_kimi.parallel.rank_slice.measure import (ATTENTION, BLOCK, FFN, Entry, measure_blocks, measure_head,
                                                     measure_optimizer, measure_vision, run_schedule)
 from titan_kimi.parallel.rank_slice.microbatch import RowLayout, make_microbatch
 from titan_kimi.parallel.rank_slice.report import markdown_report
+from titan_kimi.parallel.stage_params import compute_dtype
 from titan_kimi.parallel.step_time.describe import settings_from_config
 from titan_kimi.parallel.step_time.estimate import StepTimeModel
 from titan_kimi.parallel.step_time.table import Table, ac_share, geometry_key, merge_entries

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from titan_kimi.dtypes import DTYPES
 from titan_kimi.lora import LoRASettings
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.model import KimiK3Model
@@ -24,15 +23,10 @@ from titan_kimi.parallel.parallelize import _ac_and_compile
 from titan_kimi.parallel.pipeline import PipelineStageModule
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
 from titan_kimi.parallel.rank_slice.local_experts import LocalDispatch, localize_experts
-from titan_kimi.parallel.stage_params import RankBytes, count_stage_params, holding_from_config, rank_bytes
+from titan_kimi.parallel.stage_params import (RankBytes, compute_dtype, count_stage_params, holding_from_config,
+                                              rank_bytes)
 from titan_kimi.training.setup.build import build_meta_model, vision_args_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
-
-
-def compute_dtype(cfg) -> torch.dtype:
-    """The dtype the layers compute in: FSDP's param_dtype under mixed precision, else the model's."""
-    t = cfg.training
-    return DTYPES[t.param_dtype] if t.mixed_precision else DTYPES[cfg.model.dtype]
 
 
 def stages_of(layout: ParallelLayout, args: KimiK3ModelArgs, pp_rank: int) -> list[tuple[int, tuple[int, int]]]:

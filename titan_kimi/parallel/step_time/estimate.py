@@ -25,9 +25,9 @@ from titan_kimi.models.kimi_k3.layer_flops import LayerFlops, row_segments
 from titan_kimi.parallel.fsdp import reshard_after_forward
 from titan_kimi.parallel.layout import ParallelLayout
 from titan_kimi.parallel.pipeline_plan import PipelinePlan
-from titan_kimi.parallel.rank_slice.build import compute_dtype
 from titan_kimi.parallel.rank_slice.microbatch import DEFAULT_ROWS, doc_ids_for, image_grid, parse_rows
-from titan_kimi.parallel.stage_params import StageParams, count_stage_params, holding_from_config, rank_bytes
+from titan_kimi.parallel.stage_params import (StageParams, compute_dtype, count_stage_params, holding_from_config,
+                                              rank_bytes)
 from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
 from titan_kimi.parallel.step_time.schedules import (StageTimes, Timeline, peak_in_flight, rank_orders, simulate,
                                                      uses_split_backward)
@@ -235,9 +235,8 @@ class StepTimeModel:
         # gathered once, in the first microbatch's forward, or again in every forward and backward
         keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=plan is not None)
         # reduce-scattered once after the last backward (torch's REDUCE_GRAD), or in every backward
-        step_sync = plan is not None and cfg.parallelism.pipeline_gradient_sync == "step"
-        wbytes = self.dtype.itemsize
-        reduce_bytes = DTYPES[t.reduce_dtype].itemsize  # parallelize passes reduce_dtype with or without mixed precision
+        holding = holding_from_config(cfg, layout)
+        step_sync, wbytes, reduce_bytes = holding.accumulate_grads, self.dtype.itemsize, holding.reduce
         times, first_forward, transfer, notes = {}, {}, {}, []
         ep_per_stage, comm_f, comm_b, fsdp_end, fsdp_micro, gathers, layer_forward = {}, {}, {}, {}, {}, {}, {}
         counts = {s: self.stage_counts(r) for s, r in enumerate(ranges)}
