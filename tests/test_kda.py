@@ -13,7 +13,8 @@ def recurrent_kda(q, k, v, u, beta, A_log, dt_bias, lower_bound, scale, starts=N
     B, T, H, K = q.shape
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
     k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    g = lower_bound * torch.sigmoid(A_log.exp().view(H, 1) * (u + dt_bias.view(H, K)))
+    a, x = A_log.exp().view(H, 1), u + dt_bias.view(H, K)
+    g = lower_bound * torch.sigmoid(a * x) if lower_bound is not None else -a * torch.nn.functional.softplus(x)
     S = q.new_zeros(B, H, K, v.shape[-1])
     outs = []
     for t in range(T):
@@ -50,8 +51,11 @@ def grads_of(fn, inputs, names):
 
 # packed "rows": the trainer's packing (a document starts every 32 tokens, at each row), which the CPU reference
 # runs as 2 rows of 32 side by side (kda_reference._independent_row_length)
+# lower_bound -5 takes the reference's factored scores (|log decay| over a chunk <= 40); -10 and the unbounded
+# softplus gate (None) take its [C, C, K] decay tensor
+@pytest.mark.parametrize("lower_bound", [-5.0, -10.0, None])
 @pytest.mark.parametrize("packed", [False, True, "rows"])
-def test_chunked_kda_matches_recurrence(packed):
+def test_chunked_kda_matches_recurrence(packed, lower_bound):
     B, T, H, K, V = (1, 64, 3, 16, 8) if packed == "rows" else (1, 53, 3, 16, 8) if packed else (2, 37, 3, 16, 8)
     inputs = make_inputs(B, T, H, K, V, seed=1 if packed else 2)
     scale = 1 / math.sqrt(K)
@@ -64,18 +68,21 @@ def test_chunked_kda_matches_recurrence(packed):
     names = ["q", "k", "v", "u", "beta", "A_log", "dt_bias"]
 
     def ours(q, k, v, u, beta, A_log, dt_bias):
-        return ops.kda(q, k, v, u, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+        return ops.kda(q, k, v, u, beta, scale=scale, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                        cu_seqlens=cu, l2norm_qk=True)[0]
 
     def reference(q, k, v, u, beta, A_log, dt_bias):
-        return recurrent_kda(q, k, v, u, beta, A_log, dt_bias, -5.0, scale, starts)[0]
+        return recurrent_kda(q, k, v, u, beta, A_log, dt_bias, lower_bound, scale, starts)[0]
 
     out, grads = grads_of(ours, inputs, names)
     ref, ref_grads = grads_of(reference, inputs, names)
     # The op computes in fp32 (like the kernels); the recurrence runs in float64.
     assert rel_err(out, ref) < 1e-5
     for n in names:
-        assert rel_err(grads[n], ref_grads[n]) < 1e-5, n
+        # A_log's 3 gradients sum every token's gate term; under the unbounded gate (log decays up to ~100 per
+        # token here) fp32 accumulation leaves 1e-5..7e-5 of cancellation in them (every factor there is <= 1)
+        tolerance = 1e-4 if n == "A_log" and lower_bound is None else 1e-5
+        assert rel_err(grads[n], ref_grads[n]) < tolerance, n
 
 
 def test_kda_final_state_and_initial_state_per_sequence():
