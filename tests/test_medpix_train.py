@@ -16,8 +16,11 @@ MEDPIX = ("--job.config_file", "train_configs/k31_medpix_debug.toml")
 LORA_3_STEPS = (*MEDPIX, "--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "3",
                 "--training.global_batch_size", "4", "--data.shuffle", "false", "--lr_scheduler.warmup_steps", "1",
                 "--lora.enable", "true")
+# Adam's eps at 1e-6: the adapters' first gradients (B starts at zero) hold elements near 1e-8, where the
+# update g / (|g| + eps) turns fp32's summation-order rounding into 2e-3 of an lr-sized step; the compared
+# adapters then differ by the layout's rounding alone
 FSDP_LORA = (*LORA_3_STEPS, "--lora.target_modules", "attention,experts,projector,vision_tower",
-             "--metrics.log_freq", "1")
+             "--metrics.log_freq", "1", "--optimizer.eps", "1e-6")
 # PP2 as users type it, in fp32, with validation, and the final save in HF (merged)
 PIPELINED = (*MEDPIX, "--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "8",
              "--data.shuffle", "false", "--lora.enable", "true", "--lora.target_modules",
