@@ -31,12 +31,28 @@ def attn_res_mix_reference(
     return (alpha.unsqueeze(-1) * values).sum(1).to(partial.dtype)
 
 
-def _vjp_backward(grad, bank, partial, norm_weight, proj_weight, eps):
-    with torch.enable_grad():
-        _, vjp = torch.func.vjp(
-            lambda b, p, g, w: attn_res_mix_reference(b, p, g, w, eps), bank, partial, norm_weight, proj_weight
-        )
-    return list(vjp(grad))
+def attn_res_mix_reference_backward(
+    grad: torch.Tensor, bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor,
+    proj_weight: torch.Tensor, eps: float,
+) -> list[torch.Tensor]:
+    """Gradients of ``attn_res_mix_reference`` for (bank, partial, norm_weight, proj_weight), in closed form:
+    with s_i = v_i . gw, r_i = rsqrt(mean(v_i^2) + eps), z_i = s_i r_i and a = softmax(z),
+    dz_i = a_i (g.v_i - sum_j a_j g.v_j),  dv_i = a_i g + dz_i (r_i gw - s_i r_i^3 v_i / H),
+    d(gw) = sum dz_i r_i v_i (one pass over the values instead of autograd's replay of the forward)."""
+    values = torch.cat([bank, partial.unsqueeze(1)], dim=1).float()  # [N, M, H]
+    H = values.shape[-1]
+    g = grad.float().unsqueeze(1)  # [N, 1, H]
+    gw = norm_weight.float() * proj_weight.float()
+    inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)  # [N, M]
+    s = values @ gw
+    alpha = torch.softmax(s * inv_rms, dim=-1)
+    d_alpha = (values * g).sum(-1)
+    dz = alpha * (d_alpha - (alpha * d_alpha).sum(-1, keepdim=True))
+    d_gw = torch.einsum("nm,nmh->h", dz * inv_rms, values)
+    d_values = (alpha.unsqueeze(-1) * g + (dz * inv_rms).unsqueeze(-1) * gw
+                - (dz * s * inv_rms.pow(3) / H).unsqueeze(-1) * values)
+    return [d_values[:, :-1].to(bank.dtype, copy=True), d_values[:, -1].to(partial.dtype, copy=True),  # no views
+            (d_gw * proj_weight.float()).to(norm_weight.dtype), (d_gw * norm_weight.float()).to(proj_weight.dtype)]
 
 
 @torch.library.custom_op("titan_kimi::attn_res_mix", mutates_args=())
@@ -69,7 +85,7 @@ def attn_res_mix_backward_op(
         from lowerings.kernels.attn_res_mix import attn_res_mix_backward
 
         return list(attn_res_mix_backward(grad, bank, partial, norm_weight, proj_weight, eps))
-    return [x.contiguous() for x in _vjp_backward(grad, bank, partial, norm_weight, proj_weight, eps)]
+    return [x.contiguous() for x in attn_res_mix_reference_backward(grad, bank, partial, norm_weight, proj_weight, eps)]
 
 
 @attn_res_mix_backward_op.register_fake
