@@ -1,5 +1,6 @@
 """Top-k selection from fp32 scores + the k-th value (lowerings/kernels/topk_select.py) against the reference
-rule `select_topk` (stable sort of the reversed row: the most recent key wins ties). CPU: Triton interpreter."""
+`select_topk`, and that against its rule (stable sort of the reversed row: the most recent key wins ties). CPU:
+Triton interpreter."""
 
 from __future__ import annotations
 
@@ -8,6 +9,29 @@ import torch
 
 from lowerings.kernels.topk_select import select_topk_by_threshold
 from lowerings.ops.indexer_topk import select_topk
+
+
+def stable_sort_rule(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The rule written as a sort: stable descending sort of the reversed row, the first k finite columns, ascending,
+    -1 for the slots without one."""
+    last = scores.shape[-1] - 1
+    values, order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True)
+    idx = torch.where(torch.isfinite(values[..., :k]), last - order[..., :k], torch.full_like(order[..., :k], last + 1))
+    idx = idx.sort(dim=-1).values
+    return torch.where(idx == last + 1, torch.full_like(idx, -1), idx).to(torch.int32)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_selection_is_the_stable_sort_rule(seed):
+    """select_topk (a partial top-k over score-then-column keys) picks what the stable sort picks, ties included."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-2, 3, (16, 90), generator=gen).float().relu()
+    scores = scores * torch.where(torch.rand(16, 1, generator=gen) < 0.5, -1.0, 1.0)  # -0.0 beside 0.0
+    scores[torch.rand(16, 90, generator=gen) < 0.25] = float("-inf")
+    scores[2] = float("-inf")
+    scores[3, 4:] = float("-inf")
+    for k in (1, 7, 90):
+        assert torch.equal(select_topk(scores, k), stable_sort_rule(scores, k)), k
 
 
 def _select(scores: torch.Tensor, k: int, block: int = 16) -> torch.Tensor:

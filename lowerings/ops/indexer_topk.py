@@ -85,12 +85,16 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     Ties go to the most recent key, so the choice depends only on positions relative to the query and a
     document selects the same keys whether it runs alone or packed with others (ReLU scores tie at 0 often).
     """
-    last = scores.shape[-1] - 1
-    values, order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True)
-    values, idx = values[..., :k], last - order[..., :k]
-    idx = torch.where(torch.isfinite(values), idx, torch.full_like(idx, torch.iinfo(torch.int32).max))
-    idx = idx.sort(dim=-1).values
-    return torch.where(idx == torch.iinfo(torch.int32).max, torch.full_like(idx, -1), idx).to(torch.int32)
+    # One int64 key per score, unique per row: the score's bits made order-preserving as an integer, then the
+    # column, so a partial top-k (no full sort) picks the highest scores and, among equal ones, the latest key.
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32)  # + 0.0: -0.0 ties with 0.0, as in a sort
+    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+    column = torch.arange(scores.shape[-1], device=scores.device)
+    top = torch.topk((ordered << 32) | column, k, dim=-1).values
+    idx = top & 0xFFFFFFFF
+    finite = torch.isfinite(torch.gather(scores, -1, idx))
+    idx = torch.where(finite, idx, torch.full_like(idx, torch.iinfo(torch.int64).max)).sort(dim=-1).values
+    return torch.where(idx == torch.iinfo(torch.int64).max, torch.full_like(idx, -1), idx).to(torch.int32)
 
 
 def indexer_topk_reference(
