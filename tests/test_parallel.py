@@ -21,7 +21,7 @@ RECIPE = ["--job.config_file", "train_configs/k31_debug.toml"]
 
 
 def launch(args: list[str], nproc: int = 0, timeout: int = 900) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
     result = subprocess.run([*head, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

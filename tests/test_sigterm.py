@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 STEPS = 30
 ARGS = ["--job.config_file", "train_configs/k31_debug.toml", "--training.steps", str(STEPS), "--training.seq_len",
         "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",

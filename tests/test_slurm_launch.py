@@ -36,7 +36,7 @@ def test_command_takes_the_rendezvous_from_slurm():
 
 @pytest.mark.slow
 def test_one_node_allocation_trains_through_the_launcher(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "SLURM_JOB_NODELIST": "localhost",
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SLURM_JOB_NODELIST": "localhost",
            "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2", "MASTER_PORT": "29641"}
     result = subprocess.run(
         [sys.executable, "scripts/slurm/launch.py", "--job.config_file", "train_configs/k31_debug.toml",

@@ -23,12 +23,19 @@ def attn_res_mix_reference(
     bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """values = bank entries then partial; z_i = proj(RMSNorm_fp32(v_i)); out = sum_i softmax(z)_i v_i."""
-    values = torch.cat([bank, partial.unsqueeze(1)], dim=1).float()  # [N, m+1, H]
-    inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)  # [N, m+1]
-    gw = norm_weight.float() * proj_weight.float()
-    z = (values @ gw) * inv_rms
-    alpha = torch.softmax(z, dim=-1)
+    values, _, _, _, alpha = _mix_terms(bank, partial, norm_weight, proj_weight, eps)
     return (alpha.unsqueeze(-1) * values).sum(1).to(partial.dtype)
+
+
+def _mix_terms(bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, ...]:
+    """fp32 values v [N, m+1, H], gw = norm_weight * proj_weight, r = rsqrt(mean(v^2) + eps), s = v . gw and the
+    softmax weights of z = s r: what the reference's forward and backward both start from."""
+    values = torch.cat([bank, partial.unsqueeze(1)], dim=1).float()
+    gw = norm_weight.float() * proj_weight.float()
+    inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)  # [N, m+1]
+    s = values @ gw
+    return values, gw, inv_rms, s, torch.softmax(s * inv_rms, dim=-1)
 
 
 def attn_res_mix_reference_backward(
@@ -39,13 +46,9 @@ def attn_res_mix_reference_backward(
     with s_i = v_i . gw, r_i = rsqrt(mean(v_i^2) + eps), z_i = s_i r_i and a = softmax(z),
     dz_i = a_i (g.v_i - sum_j a_j g.v_j),  dv_i = a_i g + dz_i (r_i gw - s_i r_i^3 v_i / H),
     d(gw) = sum dz_i r_i v_i (one pass over the values instead of autograd's replay of the forward)."""
-    values = torch.cat([bank, partial.unsqueeze(1)], dim=1).float()  # [N, M, H]
+    values, gw, inv_rms, s, alpha = _mix_terms(bank, partial, norm_weight, proj_weight, eps)
     H = values.shape[-1]
     g = grad.float().unsqueeze(1)  # [N, 1, H]
-    gw = norm_weight.float() * proj_weight.float()
-    inv_rms = torch.rsqrt(values.pow(2).mean(-1) + eps)  # [N, M]
-    s = values @ gw
-    alpha = torch.softmax(s * inv_rms, dim=-1)
     d_alpha = (values * g).sum(-1)
     dz = alpha * (d_alpha - (alpha * d_alpha).sum(-1, keepdim=True))
     d_gw = torch.einsum("nm,nmh->h", dz * inv_rms, values)
