@@ -75,7 +75,7 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     import rank_slice
 
     out = tmp_path / "out"
-    assert rank_slice.main([*TINY_SLICE, "--out", str(out), "--parts", "layers", "stage"]) == 0
+    assert rank_slice.main([*TINY_SLICE, "--out", str(out), "--parts", "layers", "profile", "stage"]) == 0
     report = json.loads((out / "rank_slice.json").read_text())
     names = {e["name"] for e in report["layers"]}
     # stage 0 of k31_debug: the dense first layer, KDA and DSA layers with MoE, the tower, the optimizer
@@ -84,6 +84,12 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     blocks = [e for e in report["layers"] if e["kind"] == "block"]
     assert all(e["forward_ms"] > 0 and e["backward_ms"] > 0 and e["flops"]["forward"] > 0 for e in blocks)
     assert {e["load"] for e in blocks if "+moe" in e["name"]} == {"balanced", "zipf:0.5"}
+    profiled = {p["name"]: p for p in json.loads((out / "profile.json").read_text())}
+    assert {"kda+moe", "attention kda", "ffn moe"} <= set(profiled)
+    for p in profiled.values():  # every phase was timed and its ops attributed; the experts' GEMMs found
+        assert p["forward"]["wall_ms"] > 0 and p["forward"]["busy_ms"] > 0 and p["backward"]["busy_ms"] > 0
+    assert profiled["ffn moe"]["forward"]["categories"]["gemm"] > 0
+    assert "## kda+moe" in (out / "profile.md").read_text()
     sched = report["schedule"]
     assert set(sched["forward_ms"]) == {"0"} and sched["in_flight"] == {"0": 2}  # 1F1B stage 0 of 2: both held
     assert "## The rank's schedule" in (out / "rank_slice.md").read_text()

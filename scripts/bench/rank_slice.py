@@ -16,6 +16,9 @@ Parts (``--parts``, in this order; results are written after each one, so a run 
   layers    each layer kind of the built stages at the recipe's microbatch: the block with its checkpointing,
             its attention and FFN apart; the MoE under every --loads; the vision tower per image; head + loss;
             one optimizer step per parameter.
+  profile   each layer kind (block, attention, FFN) under torch's profiler, forward and backward apart: device
+            kernel time by category (GEMMs, KDA, Triton, Inductor-fused, eager elementwise, memory) and the
+            device's idle time, top kernels (DIR/profile.md, DIR/profile.json).
   dsa       the DSA attention (indexer + sparse MLA) on rows of one document of each --dsa-rows length.
   gemm      the routed experts' GEMMs alone under every load: grouped_mm (what runs), one mm per expert, and one
             dense GEMM chain of the same FLOPs (the floor).
@@ -45,8 +48,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("tune_fla", "layers", "dsa", "gemm", "table", "stage")
-VARIANT_PARTS = ("layers", "gemm", "stage")
+PARTS = ("tune_fla", "layers", "profile", "dsa", "gemm", "table", "stage")
+VARIANT_PARTS = ("layers", "profile", "gemm", "stage")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

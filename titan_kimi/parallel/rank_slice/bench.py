@@ -194,6 +194,22 @@ class RankSliceBench:
             self.slice.set_load(self.loads[0])
         self._add("table", entries, "packed rows of one document")
 
+    def run_profile(self) -> None:
+        """Each layer kind (block, attention, FFN; the first load) under the profiler: DIR/profile.{md,json}."""
+        from titan_kimi.parallel.rank_slice.kernel_profile import profile_job, profile_json, profile_markdown
+        from titan_kimi.parallel.rank_slice.measure import block_jobs
+
+        o = self.opts
+        keys = self.max_keys
+        profiles = []
+        for job in block_jobs(self.slice, self.mbs, max_causal_keys=keys, generator=self.gen, device=self.device):
+            profiles.append((job, profile_job(job, self.device, warmup=max(1, o.warmup), repeats=min(o.repeats, 3))))
+            self.log(f"profiled {job.label}")
+        o.out.mkdir(parents=True, exist_ok=True)
+        (o.out / "profile.md").write_text(profile_markdown(profiles))
+        (o.out / "profile.json").write_text(json.dumps(profile_json(profiles), indent=1) + "\n")
+        self.report["profile"] = {"items": [job.label for job, _ in profiles], "file": "profile.md"}
+
     def run_gemm(self) -> None:
         """The expert GEMMs alone against their floor, under every load."""
         from titan_kimi.parallel.rank_slice.expert_gemms import measure_expert_gemms

@@ -107,14 +107,26 @@ def _layer_inputs(args, layer: int, mb: Microbatch, dtype, device, generator):
 BLOCK, ATTENTION, FFN = "block", "attention", "ffn"
 
 
-def measure_blocks(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: int | None, warmup: int,
-                   repeats: int, generator: torch.Generator, device: torch.device,
-                   what: tuple[str, ...] = (BLOCK, ATTENTION, FFN),
-                   select: Callable[[str], bool] | None = None) -> list[Entry]:
+@dataclass
+class BlockJob:
+    """One item of a layer kind: ``run()`` is its forward returning (outputs, output gradients)."""
+
+    label: str
+    item: str  # BLOCK | ATTENTION | FFN
+    run: Callable[[], tuple[list, list]]
+    flops: Callable[[], LayerFlops]
+    tokens: int
+    load: str  # the expert load of an MoE item
+    note: str
+
+
+def block_jobs(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: int | None,
+               generator: torch.Generator, device: torch.device, what: tuple[str, ...] = (BLOCK, ATTENTION, FFN),
+               select: Callable[[str], bool] | None = None):
     """Every distinct layer kind of the built stages once (``select``: only the kinds it accepts): ``block``
     the layer as built (with its AC), ``attention`` its norm and mixer alone, ``ffn`` its norm and MoE or MLP
-    alone (both without AC; each distinct one once). MoE entries carry the slice's current expert load."""
-    entries: list[Entry] = []
+    alone (both without AC; each distinct one once). MoE items carry the slice's current expert load. Yields
+    the items one at a time, so that each one's inputs live only while it is measured."""
     seen: set[str] = set()
     load = rs.load
     routed = load.rows if load is not None else None
@@ -160,9 +172,20 @@ def measure_blocks(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys
                 if label in seen:
                     continue
                 seen.add(label)
-                fwd, bwd, saved, top = _timed(run, device, warmup, repeats)
                 note = load.describe() if entry_load else ""
-                entries.append(Entry(label, item, mb.tokens, fwd, bwd, flops(), saved, top, note, entry_load))
+                yield BlockJob(label, item, run, flops, mb.tokens, entry_load, note)
+
+
+def measure_blocks(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: int | None, warmup: int,
+                   repeats: int, generator: torch.Generator, device: torch.device,
+                   what: tuple[str, ...] = (BLOCK, ATTENTION, FFN),
+                   select: Callable[[str], bool] | None = None) -> list[Entry]:
+    """The items of ``block_jobs`` timed: forward and backward medians, saved and peak memory."""
+    entries: list[Entry] = []
+    for job in block_jobs(rs, mbs, max_causal_keys=max_causal_keys, generator=generator, device=device, what=what,
+                          select=select):
+        fwd, bwd, saved, top = _timed(job.run, device, warmup, repeats)
+        entries.append(Entry(job.label, job.item, job.tokens, fwd, bwd, job.flops(), saved, top, job.note, job.load))
     return entries
 
 
