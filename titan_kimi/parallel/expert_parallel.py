@@ -4,7 +4,8 @@ Each EP rank keeps ``E / ep`` experts (weights ``Shard(0)`` on the ep mesh); tok
 by an all-to-all in the latent width and come back by another (torchtitan's dispatch and combine), and the local
 experts run one grouped GEMM over their rows. Two things the model's local forward does not know about live
 here: the weights are DTensors whose local shards the GEMM takes, and the rows arrive already grouped and
-aligned by torchtitan's permutation (so the model's own CUDA alignment copy is skipped).
+aligned by the permutation (``expert_permutation``, in place of torchtitan's; so the model's own CUDA alignment
+copy is skipped).
 """
 
 from __future__ import annotations
@@ -43,16 +44,22 @@ def expert_shard_class(cls: type) -> type:
 
 @functools.cache
 def _permutation_on_any_device() -> None:
-    """torchtitan's token permutation calls a Triton kernel unconditionally; its CPU path sits behind
-    ``use_cpu``. Route CPU tensors there (GPU tensors keep the Triton kernel)."""
+    """Two changes to torchtitan's token permutation. Its index generation calls a Triton kernel
+    unconditionally, its CPU path behind ``use_cpu``: CPU tensors go there (GPU tensors keep the kernel). And
+    ``ExpertParallel``'s ``_permute`` / ``_unpermute`` become the gathers of ``expert_permutation`` (the same
+    rows and gradients, without the sort-based and element-wise indexing kernels)."""
+    import torchtitan.distributed.expert_parallel as tt_expert_parallel
     import torchtitan.models.moe.utils as moe_utils
     from torchtitan.models.moe.kernels import generate_permute_indices
+
+    from titan_kimi.parallel.expert_permutation import permute, unpermute
 
     def generate(tokens_per_expert_group, *args, **kwargs):
         kwargs.setdefault("use_cpu", not tokens_per_expert_group.is_cuda)
         return generate_permute_indices(tokens_per_expert_group, *args, **kwargs)
 
     moe_utils.generate_permute_indices = generate
+    tt_expert_parallel._permute, tt_expert_parallel._unpermute = permute, unpermute
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:

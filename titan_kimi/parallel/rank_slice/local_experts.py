@@ -2,8 +2,8 @@
 combine (``titan_kimi.parallel.expert_parallel``) with the two all-to-alls replaced by local rows.
 
 What stays as training runs it: the MoE forward's routing and sort, the local experts' weights
-(``num_experts / ep`` of them) in ``ExpertShardGroupedExperts``, torchtitan's ``_permute`` (group the received
-rows by local expert, pad each group to the GEMM alignment) and ``_unpermute``. What changes: the rows that
+(``num_experts / ep`` of them) in ``ExpertShardGroupedExperts``, the permutation (``expert_permutation``: group the
+received rows by local expert, pad each group to the GEMM alignment, and back). What changes: the rows that
 arrive are ``load.rows`` rows gathered from this rank's own routed rows (the all-to-all's output has that size;
 its content does not change the compute), and the combine hands back this rank's ``N`` rows by another gather.
 The two gathers stand for the all-to-alls, whose time the step-time model adds from its bandwidths.
@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from titan_kimi.models.kimi_k3.moe import LatentMoE
 from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, expert_shard_class, moe_blocks
+from titan_kimi.parallel.expert_permutation import permute, unpermute
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
 
 
@@ -36,24 +37,22 @@ class LocalDispatch:
         self.load, self._flat_counts = load, None
 
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        from torchtitan.models.moe.utils import _permute
-
         routed, _ = inputs  # this rank's rows sorted by global expert; their counts go to the all-to-all
         if self._flat_counts is None or self._flat_counts.device != routed.device:
             self._flat_counts = self.load.counts.reshape(-1).to(routed.device)
         n, rows = routed.shape[0], self.load.rows
-        arrived = routed[torch.arange(rows, device=routed.device) % n]
-        shape, permuted, indices, counts = _permute(arrived, self._flat_counts, self.ep, self.local)
+        # index_select, not advanced indexing: its backward is a scatter-add, not a sort (a stand-in for the
+        # all-to-all should cost no more than its copy)
+        arrived = routed.index_select(0, torch.arange(rows, device=routed.device) % n)
+        shape, permuted, indices, counts = permute(arrived, self._flat_counts, self.ep, self.local)
         self._state = (shape, indices, n)
         return permuted, counts
 
     def combine(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
-        from torchtitan.models.moe.utils import _unpermute
-
         shape, indices, n = self._state
         self._state = None
-        back = _unpermute(output, shape, indices)
-        return back[torch.arange(n, device=back.device) % back.shape[0]]
+        back = unpermute(output, shape, indices)
+        return back.index_select(0, torch.arange(n, device=back.device) % back.shape[0])
 
 
 def localize_experts(model: nn.Module, load: ExpertLoad) -> list[LocalDispatch]:
