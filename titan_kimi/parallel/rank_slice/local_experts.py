@@ -20,6 +20,15 @@ from titan_kimi.parallel.expert_permutation import permute, unpermute
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
 
 
+def cycle_rows(x: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` rows of ``x`` taken cyclically, by slicing and repeating: the stand-in for an all-to-all costs
+    a copy at most, and its backward a sum over the repeats (an indexed gather's backward is a sort-based or
+    atomic scatter, slower than the all-to-all's own copy)."""
+    n = x.shape[0]
+    repeats = -(-count // n)
+    return (x if repeats == 1 else x.repeat(repeats, *([1] * (x.dim() - 1))))[:count]
+
+
 class LocalDispatch:
     """Forward pre-hook and hook of one rank's ``moe.experts`` (one per MoE layer: it holds that layer's
     permutation between the two)."""
@@ -41,9 +50,7 @@ class LocalDispatch:
         if self._flat_counts is None or self._flat_counts.device != routed.device:
             self._flat_counts = self.load.counts.reshape(-1).to(routed.device)
         n, rows = routed.shape[0], self.load.rows
-        # index_select, not advanced indexing: its backward is a scatter-add, not a sort (a stand-in for the
-        # all-to-all should cost no more than its copy)
-        arrived = routed.index_select(0, torch.arange(rows, device=routed.device) % n)
+        arrived = cycle_rows(routed, rows)
         shape, permuted, indices, counts = permute(arrived, self._flat_counts, self.ep, self.local)
         self._state = (shape, indices, n)
         return permuted, counts
@@ -51,8 +58,7 @@ class LocalDispatch:
     def combine(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         shape, indices, n = self._state
         self._state = None
-        back = unpermute(output, shape, indices)
-        return back.index_select(0, torch.arange(n, device=back.device) % back.shape[0])
+        return cycle_rows(unpermute(output, shape, indices), n)
 
 
 def localize_experts(model: nn.Module, load: ExpertLoad) -> list[LocalDispatch]:
