@@ -93,6 +93,13 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     sched = report["schedule"]
     assert set(sched["forward_ms"]) == {"0"} and sched["in_flight"] == {"0": 2}  # 1F1B stage 0 of 2: both held
     assert "## The rank's schedule" in (out / "rank_slice.md").read_text()
+    # with layers left unbuilt, the schedule's MFU reads the built layers' FLOPs, not the whole stage's
+    cut = tmp_path / "cut"
+    assert rank_slice.main([*TINY_SLICE, "--out", str(cut), "--parts", "stage", "--max-layers", "1"]) == 0
+    cut_report = json.loads((cut / "rank_slice.json").read_text())
+    built, whole = cut_report["schedule"]["model_flops"]["0"], sched["model_flops"]["0"]
+    assert cut_report["schedule"]["dropped_layers"]["0"] and built["forward"] < whole["forward"]
+    assert "of the built layers' FLOPs" in (cut / "rank_slice.md").read_text()
 
     from titan_kimi.config import load_job_config
     from titan_kimi.parallel.layout import resolve_layout

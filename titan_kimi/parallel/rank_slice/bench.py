@@ -15,6 +15,7 @@ import torch
 
 from titan_kimi.config import load_job_config
 from titan_kimi.data.causal_keys import longest_document
+from titan_kimi.models.kimi_k3.layer_flops import ZERO
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.parallel.pipeline_images import unpad_images
 from titan_kimi.parallel.rank_slice.build import build_rank_slice, stages_of
@@ -264,12 +265,23 @@ class RankSliceBench:
             self.slice.free_states()
         self._report_schedule(run, fits)
 
+    def _built_flops(self, index: int):
+        """Model FLOPs of what was built of stage ``index``: every layer but the dropped ones (``--max-layers``),
+        the tower, and the head only when the stage's last layer was built."""
+        w = self.work[index]
+        dropped = set(self.slice.dropped.get(index, ()))
+        out = w.vision + (ZERO if dropped else w.head)
+        for layer, _, f in w.layers:
+            if layer not in dropped:
+                out = out + f
+        return out
+
     def _schedule(self):
         return run_schedule(self.slice, self.mbs, self.layout.pipeline, self.pp_rank, self.n_microbatches,
                             steps=self.opts.steps, generator=self.gen, device=self.device, forward=self._forward)
 
     def _report_schedule(self, run, fits: str) -> None:
-        flops = {i: self.work[i].total for i, _ in self.slice.stages}
+        flops = {i: self._built_flops(i) for i, _ in self.slice.stages}
         built = {i: len(s.part.layers) for i, s in self.slice.stages}
         self.report["schedule"] = {
             "forward_ms": run.forward_ms, "backward_ms": run.backward_ms, "step_ms": run.step_ms,

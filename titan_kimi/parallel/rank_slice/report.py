@@ -58,9 +58,10 @@ def markdown_report(report: dict) -> str:
             mfu = f["forward"] + f["backward"]
             lines.append(f"- stage {s}: forward {sched['forward_ms'][s]:.1f} ms, backward "
                          f"{sched['backward_ms'][s]:.1f} ms per microbatch ({sched['built_layers'][s]} layers built); "
-                         f"compute MFU {100 * mfu / (per / 1e3) / m['peak_flops']:.1f}% of its full stage's FLOPs"
-                         + (" (layers not built: the MFU is over the whole stage's FLOPs, so it is low)"
-                            if sched["dropped_layers"] else ""))
+                         f"compute MFU {100 * mfu / (per / 1e3) / m['peak_flops']:.1f}% of "
+                         + ("the built layers' FLOPs (the stage's other layers were not built)"
+                            if sched["dropped_layers"].get(s) or sched["dropped_layers"].get(str(s))
+                            else "its full stage's FLOPs"))
         lines += [f"- step span {sched['step_ms']:.0f} ms; microbatches in flight {sched['in_flight']}",
                   f"- peak memory {_num(sched['peak_gib'])} GiB, with {sched['allocated_states_gib']:.1f} GiB allocated "
                   "beside the built weights for what training holds besides them (FSDP shards, Adam moments, the "
