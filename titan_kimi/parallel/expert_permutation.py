@@ -19,7 +19,7 @@ import torch
 
 class RowPermutation(NamedTuple):
     """``gather``: the permuted order's source row per slot (padding slots clamped to row 0); ``inverse``: each
-    received row's slot; ``padding``: ``[slots, 1]`` True where a slot is padding."""
+    received row's slot; ``padding``: the padding slots' positions."""
 
     gather: torch.Tensor
     inverse: torch.Tensor
@@ -35,7 +35,9 @@ def row_permutation(permuted_indices: torch.Tensor, rows: int) -> RowPermutation
     # padding slots write past the received rows, so every write has its own target (no duplicate scatter)
     targets = torch.where(padding, rows + positions, index)
     inverse = torch.zeros(rows + slots, dtype=torch.long, device=index.device).scatter_(0, targets, positions)
-    return RowPermutation(index.clamp(min=0), inverse[:rows], padding.unsqueeze(1))
+    # every received row fills one slot, so the padding slots number slots - rows: known without a device sync
+    padding_slots = torch.nonzero_static(padding, size=slots - rows).squeeze(1)
+    return RowPermutation(index.clamp(min=0), inverse[:rows], padding_slots)
 
 
 class _ToSlots(torch.autograd.Function):
@@ -58,7 +60,8 @@ class _FromSlots(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         perm = ctx.perm
-        return grad.index_select(0, perm.gather).masked_fill_(perm.padding, 0), None
+        # the padding slots' outputs were never read: their gradients are zero (a few hundred rows to clear)
+        return grad.index_select(0, perm.gather).index_fill_(0, perm.padding, 0), None
 
 
 def permute(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, ep_degree: int,
