@@ -361,7 +361,14 @@ def indexer_throughput(r: Runner, folder: Path) -> None:
 def rank_slice_k31(r: Runner, folder: Path) -> None:
     checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config", "train_configs/k31.toml",
                    "--world-size", "256", "--table", str(folder / "step_time_h200.json"), "--parts", "layers",
-                   "stage", timeout=400)
+                   "profile", "stage", timeout=400)
+
+
+def rank_slice_k31_compile(r: Runner, folder: Path) -> None:
+    # A/B only: variants do not write the step-time table, which stays the recipe's as shipped.
+    checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config", "train_configs/k31.toml",
+                   "--world-size", "256", "--loads", "balanced", "--parts", "--variants", "eager=",
+                   "compiled=--compile.mode default", "--variant-parts", "layers", "profile", "stage", timeout=540)
 
 
 def rank_slice_hellaswag(r: Runner, folder: Path) -> None:
@@ -445,8 +452,11 @@ def single_gpu_parts() -> list[Part]:
         Part("indexer_throughput", "k31_small as shipped with indexer.mode frozen / warmup / sparse: tokens/s",
              indexer_throughput),
         Part("rank_slice_k31", "one rank of k31.toml at 256 GPUs at full width: per layer kind, its schedule, peak "
-                               "memory; writes the step-time table", rank_slice_k31),
+                               "memory, profiles; writes the step-time table", rank_slice_k31),
         Part("rank_slice_hellaswag", "the same for k3_hellaswag.toml", rank_slice_hellaswag),
+        Part("rank_slice_k31_compile", "k31.toml's stage 0 eager against --compile.mode default at full width: "
+                                       "per layer kind, profiles, the schedule's time and peak memory",
+             rank_slice_k31_compile),
     ]
 
 
