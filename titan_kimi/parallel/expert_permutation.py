@@ -40,28 +40,19 @@ def row_permutation(permuted_indices: torch.Tensor, rows: int) -> RowPermutation
     return RowPermutation(index.clamp(min=0), inverse[:rows], padding_slots)
 
 
-class _ToSlots(torch.autograd.Function):
+class _RowGather(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose gradient is the gather back by ``back`` (the inverse positions), rows
+    ``clear`` (the padding slots, whose outputs nothing read) set to zero."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: RowPermutation) -> torch.Tensor:
-        ctx.perm = perm
-        return x.index_select(0, perm.gather)
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, back: torch.Tensor, clear: torch.Tensor | None):
+        ctx.back, ctx.clear = back, clear
+        return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.index_select(0, ctx.perm.inverse), None
-
-
-class _FromSlots(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, perm: RowPermutation) -> torch.Tensor:
-        ctx.perm = perm
-        return y.index_select(0, perm.inverse)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        perm = ctx.perm
-        # the padding slots' outputs were never read: their gradients are zero (a few hundred rows to clear)
-        return grad.index_select(0, perm.gather).index_fill_(0, perm.padding, 0), None
+        out = grad.index_select(0, ctx.back)
+        return (out if ctx.clear is None else out.index_fill_(0, ctx.clear, 0)), None, None, None
 
 
 def permute(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, ep_degree: int,
@@ -77,9 +68,9 @@ def permute(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, ep_degree: int
         permuted_indices, aligned_counts, _ = moe_utils.generate_permute_indices(
             num_tokens_per_expert, num_local_experts, ep_degree, max_len, align)
     perm = row_permutation(permuted_indices, x.shape[0])
-    return x.shape, _ToSlots.apply(x, perm), perm, aligned_counts
+    return x.shape, _RowGather.apply(x, perm.gather, perm.inverse, None), perm, aligned_counts
 
 
 def unpermute(out: torch.Tensor, input_shape: torch.Size, perm: RowPermutation) -> torch.Tensor:
     """torchtitan's ``_unpermute`` contract: the received rows back in their order."""
-    return _FromSlots.apply(out, perm)
+    return _RowGather.apply(out, perm.inverse, perm.gather, perm.padding)
