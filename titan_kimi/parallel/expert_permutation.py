@@ -4,8 +4,8 @@ grouped GEMM's alignment, and back) as two row gathers, forward and backward.
 torchtitan's ``_permute`` appends a zero row (a copy of every received row), gathers with advanced indexing
 (whose backward is a sort-based accumulating ``index_put``) and ``_unpermute`` scatters back with ``index_put``
 (an element-wise indexing kernel). Every received row sits at exactly one place of the permuted order, so both
-directions are gathers once the inverse positions are known: on one H100 at k31.toml's 65,536 received rows x
-3,584 those kernels took ~10 ms of a KDA + MoE layer's forward and backward (docs/perf.md). Padding slots
+directions are gathers once the inverse positions are known (on one H100 at k31.toml's 65,536 received rows x
+3,584, the MoE FFN's forward copy and index kernels went from 4.70 to 3.61 ms; docs/perf.md). Padding slots
 (index -1) read a copy of a real row instead of zeros: their outputs are never read and their output gradients
 are zero, so the experts' weight gradients are the same.
 """
