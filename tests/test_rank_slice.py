@@ -123,6 +123,15 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     from titan_kimi.parallel.step_time.describe import settings_from_config
     from titan_kimi.parallel.step_time.estimate import StepTimeModel
 
+    # the table's entries were measured eager: a compiled config's estimate says so
+    assert "compile.mode" not in lines[0]
+    cfg.compile.mode = "default"
+    assert "measured under compile.mode none, not this config's default" in describe_step_time(cfg, args, layout,
+                                                                                              vision)[0]
+    cfg.compile.mode = "none"
+    written = json.loads((out / "step_time_h200.json").read_text())["geometries"]
+    assert {r["compile"] for g in written.values() for sec in g.values() for rows in sec.values() for r in rows} == {
+        "none"}
     cfg.step_time.expert_load = "skewed"
     assert "expert load skewed" in describe_step_time(cfg, args, layout, vision)[0]
     factor, load = StepTimeModel(cfg, args, vision, settings_from_config(cfg)).load_factor(layout.ep)

@@ -166,7 +166,8 @@ class StepTimeModel:
         def lookup(section: str, kind: str, t: int, flops: LayerFlops, ac: float):
             # the CP ranks share a microbatch's work evenly (zigzag), except the vision tower: each runs it whole
             f = _scaled(flops, 1.0 if section == "vision" else 1.0 / cp)
-            got = self.s.table.time_ms(self.geometry, section, kind, t, f.forward, f.backward, ac, load)
+            got = self.s.table.time_ms(self.geometry, section, kind, t, f.forward, f.backward, ac, load,
+                                       self.cfg.compile.mode)
             if got is None:
                 rate = self.s.fallback_mfu * self.s.peak_flops
                 got = (f.forward / rate * 1e3, f.backward / rate * 1e3 + ac * f.forward / rate * 1e3)
@@ -307,6 +308,10 @@ class StepTimeModel:
         source = (f"measured ({self.s.table.path.name}, {self.s.table.hardware})" if not notes else
                   f"FLOP-rate fallback at {self.s.fallback_mfu:.0%} of peak for {sorted(set(notes))} "
                   f"({self.s.table.missing or 'not in the table'}): not measured")
+        modes = self.s.table.compile_modes(self.geometry)
+        if modes and cfg.compile.mode not in modes:
+            source += (f"; the table's layer times were measured under compile.mode {' / '.join(sorted(modes))}, "
+                       f"not this config's {cfg.compile.mode}")
         p = cfg.parallelism
         fsdp = ", ".join(x for x in (f"reshard_after_forward {p.fsdp_reshard_after_forward}"
                                      if p.fsdp_reshard_after_forward != "default" else "",
