@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torchtitan.models.moe import utils as moe_utils
+from torchtitan.tools.utils import _round_up
 
 
 class RowPermutation(NamedTuple):
@@ -59,11 +61,8 @@ def permute(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, ep_degree: int
             num_local_experts: int) -> tuple[torch.Size, torch.Tensor, RowPermutation, torch.Tensor]:
     """torchtitan's ``_permute`` contract: (the shape ``unpermute`` restores, the permuted rows, the
     permutation, the aligned rows per local expert)."""
-    from torchtitan.models.moe import utils as moe_utils
-
-    align = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M
-    padded = x.shape[0] + num_local_experts * align
-    max_len = (padded + align - 1) // align * align
+    align = moe_utils.TOKEN_GROUP_ALIGN_SIZE_M  # read per call: torchtitan sets it per dtype
+    max_len = _round_up(x.shape[0] + num_local_experts * align, align)  # torchtitan's room for the padding
     with torch.no_grad():
         permuted_indices, aligned_counts, _ = moe_utils.generate_permute_indices(
             num_tokens_per_expert, num_local_experts, ep_degree, max_len, align)

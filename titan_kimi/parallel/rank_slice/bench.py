@@ -201,9 +201,9 @@ class RankSliceBench:
         from titan_kimi.parallel.rank_slice.measure import block_jobs
 
         o = self.opts
-        keys = self.max_keys
         profiles = []
-        for job in block_jobs(self.slice, self.mbs, max_causal_keys=keys, generator=self.gen, device=self.device):
+        for job in block_jobs(self.slice, self.mbs, max_causal_keys=self.max_keys, generator=self.gen,
+                              device=self.device):
             profiles.append((job, profile_job(job, self.device, warmup=max(1, o.warmup), repeats=min(o.repeats, 3))))
             self.log(f"profiled {job.label}")
         o.out.mkdir(parents=True, exist_ok=True)

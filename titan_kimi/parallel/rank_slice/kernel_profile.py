@@ -71,40 +71,38 @@ def _collect(prof, cuda: bool, repeats: int, into: PhaseProfile) -> None:
                 slot[1] += e.count / repeats
 
 
-def profile_job(job: BlockJob, device: torch.device, warmup: int, repeats: int) -> dict[str, PhaseProfile]:
-    """The item's forward and its backward, each phase under a profiler session of its own (the other phase
-    runs outside it), ``repeats`` times after ``warmup`` unprofiled runs."""
+def _profiled(fn, device: torch.device, repeats: int, into: PhaseProfile):
+    """``fn()`` under the profiler (the device idle before and after), its wall time and kernels added to
+    ``into`` as one of ``repeats`` repetitions; returns what ``fn`` returns."""
     cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    phases = {"forward": PhaseProfile(), "backward": PhaseProfile()}
+    synchronize(device)
+    watch = Stopwatch(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        a = watch.mark()
+        out = fn()
+        b = watch.mark()
+        synchronize(device)
+    into.wall_ms += watch.ms(a, b) / repeats
+    _collect(prof, cuda, repeats, into)
+    return out
 
-    def backward(outs, grads):
+
+def profile_job(job: BlockJob, device: torch.device, warmup: int, repeats: int) -> dict[str, PhaseProfile]:
+    """The item's forward and its backward, each profiled on its own (the other phase runs unprofiled),
+    ``repeats`` times after ``warmup`` unprofiled runs."""
+    forward, backward = PhaseProfile(), PhaseProfile()
+
+    def run_backward(outs, grads):
         if any(o.requires_grad for o in outs):
             torch.autograd.backward(outs, grads)
 
     for _ in range(warmup):
-        backward(*job.run())
+        run_backward(*job.run())
     for _ in range(repeats):
-        for phase, into in phases.items():
-            synchronize(device)
-            watch = Stopwatch(device)
-            outs = grads = None
-            if phase == "backward":
-                outs, grads = job.run()  # outside the session: only the backward is profiled
-                synchronize(device)
-            with profile(activities=activities) as prof:
-                a = watch.mark()
-                if phase == "forward":
-                    outs, grads = job.run()
-                else:
-                    backward(outs, grads)
-                b = watch.mark()
-                synchronize(device)
-            if phase == "forward":
-                backward(outs, grads)
-            into.wall_ms += watch.ms(a, b) / repeats
-            _collect(prof, cuda, repeats, into)
-    return phases
+        run_backward(*_profiled(job.run, device, repeats, forward))
+        outs, grads = job.run()
+        _profiled(lambda: run_backward(outs, grads), device, repeats, backward)
+    return {"forward": forward, "backward": backward}
 
 
 def profile_markdown(profiles: list[tuple[BlockJob, dict[str, PhaseProfile]]], top: int = 15) -> str:
