@@ -36,6 +36,11 @@ BACKEND_OPS: dict[str, OpEntry] = {
         "Triton kernels written here; reference = row-chunked plain torch; auto = triton on CUDA",
         ("reference", "triton")),
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
+    "routed_combine": OpEntry(
+        "the MoE's rows around the routed experts (each token's latent row copied into expert order, and the "
+        "router-weighted fp32 sum of its expert outputs): triton = gather-sum kernels written here, one pass each "
+        "way; reference = plain torch indexing (fused by Inductor where the MoE compiles); auto = triton on CUDA",
+        ("reference", "triton")),
     "attn_res_mix": OpEntry("attention-residual mix backend", ("reference", "triton")),
     "linear_cross_entropy": OpEntry(
         "lm_head + cross-entropy backend",

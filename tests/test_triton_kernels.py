@@ -21,7 +21,8 @@ import pytest
 import torch
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "lowerings" / "kernels"
-KERNEL_MODULES = ("sparse_mla_fwd", "sparse_mla_bwd", "indexer_topk", "situ_glu", "attn_res_mix", "indexer_kl")
+KERNEL_MODULES = ("sparse_mla_fwd", "sparse_mla_bwd", "indexer_topk", "situ_glu", "attn_res_mix", "indexer_kl",
+                  "routed_combine")
 _INTERP_PKG = "_titan_kimi_interpreted_kernels"
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from lowerings.ops.kda import kda
 from lowerings.ops.kda_cp import kda_context_parallel
 from lowerings.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from lowerings.ops.registry import configure_backends, known_ops, op_backends, selected_backend
+from lowerings.ops.routed_combine import combine_rows, dispatch_rows
 from lowerings.ops.situ_glu import situ_glu
 from lowerings.ops.sparse_mla import sparse_mla
 
@@ -17,8 +18,10 @@ __all__ = [
     "attn_res_mix",
     "IGNORE_INDEX",
     "causal_attention",
+    "combine_rows",
     "configure_backends",
     "dense_indexer_kl",
+    "dispatch_rows",
     "document_causal_mask",
     "indexer_scores_at",
     "indexer_topk",

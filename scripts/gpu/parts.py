@@ -303,6 +303,10 @@ def op_moe_alignment(r: Runner, folder: Path) -> None:
     r.tail(folder / "bench_moe_alignment.md", 6)
 
 
+def op_routed_combine(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "routed_combine", "scripts/bench/routed_combine.py", timeout=120)
+
+
 FLASH_BUILD_RC = Path("/tmp/flash_build.rc")
 
 
@@ -443,6 +447,8 @@ def single_gpu_parts() -> list[Part]:
              op_cp_dsa_layer),
         Part("op_moe_alignment", "the experts' row alignment: our gather against torchtitan's permutation",
              op_moe_alignment),
+        Part("op_routed_combine", "the MoE's dispatch and combine rows at k31.toml's rank shape: plain torch indexing "
+                                  "(eager, compiled) against the gather-sum kernels", op_routed_combine),
         Part("flash_mla_build", "build FlashMLA's sm90 sparse forward in the background (for op_sparse_attention "
                                 "and the flash_mla tests)", flash_mla_build),
         Part("resume_exactness", "k3_small 20 steps straight (cold, warm) vs 10 + resume + 10 (warm, cold caches)",
@@ -461,4 +467,4 @@ def single_gpu_parts() -> list[Part]:
 
 
 GROUPS = {"ops": ["op_loss_optimizer", "op_causal_attention", "op_kda", "op_fused", "op_sparse_attention",
-                  "op_dsa_layer", "op_cp_dsa_layer", "op_moe_alignment"]}
+                  "op_dsa_layer", "op_cp_dsa_layer", "op_moe_alignment", "op_routed_combine"]}

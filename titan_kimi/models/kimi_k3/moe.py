@@ -177,11 +177,9 @@ class LatentMoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_f)
         counts = counts_f.to(torch.int64)
-        routed = self.experts(z[order // self.top_k], counts)
-        unsorted = torch.empty_like(routed)
-        unsorted[order] = routed
+        routed = self.experts(ops.dispatch_rows(z, order, self.top_k), counts)
         # Router weights act after the down-projection, summed in fp32 over the bf16-rounded expert outputs.
-        r = (weights.unsqueeze(-1) * unsorted.view(B * S, self.top_k, -1).float()).sum(1).to(x.dtype)
+        r = ops.combine_rows(routed, order, weights, x.dtype)
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         y = self.routed_expert_up_proj(r) if self.routed_expert_up_proj is not None else r

@@ -1,0 +1,144 @@
+"""The MoE's row movement around the routed experts: ``dispatch_rows`` (each token's latent row copied to its
+``k`` places in expert order) and ``combine_rows`` (each token's ``k`` expert outputs, weighted and summed in
+fp32). ``order`` is the stable argsort of the flat ``[T * k]`` expert choices: expert-ordered row ``i`` belongs
+to token ``order[i] // k``, choice ``order[i] % k``.
+
+Backends (op ``routed_combine``): ``reference`` is the plain torch indexing the model always had (a gather
+whose gradient is an accumulating ``index_put``; an unsorting scatter, an fp32 copy, a product and a sum),
+which Inductor fuses where it compiles the MoE; ``triton`` runs the custom ops below, whose kernels
+(``lowerings.kernels.routed_combine``) gather each token's rows and sum them in one pass, forward and backward.
+Under expert parallelism this glue runs eager between the all-to-alls, where nothing else fuses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowerings.ops.registry import cuda_available, on_cuda, op_backends, selected_backend
+
+BACKENDS = op_backends("routed_combine")
+BACKENDS.add("triton", cuda_available, auto_rank=0)
+
+
+def _fused(t: torch.Tensor) -> bool:
+    return selected_backend("routed_combine") == "triton" and on_cuda(t)
+
+
+def routing_slots(order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``slots [T, k]``: where each (token, choice) pair's row sits in expert order (the inverse of ``order``)."""
+    positions = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
+    return torch.empty_like(order).scatter_(0, order, positions).view(-1, top_k)
+
+
+def dispatch_rows(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``x [T, L]`` -> ``[T * k, L]``: row ``i`` is ``x[order[i] // k]``."""
+    if order.shape[0] != x.shape[0] * top_k:
+        raise ValueError(f"dispatch_rows: order has {order.shape[0]} entries, expected T * k = "
+                         f"{x.shape[0]} * {top_k}")
+    if not _fused(x):
+        return x[order // top_k]
+    return routed_dispatch_op(x, order, routing_slots(order, top_k), top_k)
+
+
+def combine_rows(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Expert-ordered ``rows [T * k, L]`` -> ``[T, L]`` in ``dtype``: ``sum_j weights[t, j] row(t, j)`` in fp32."""
+    T, k = weights.shape
+    if rows.shape[0] != T * k or order.shape[0] != T * k:
+        raise ValueError(f"combine_rows: {rows.shape[0]} rows and {order.shape[0]} order entries, expected "
+                         f"T * k = {T} * {k} (weights {tuple(weights.shape)})")
+    if not _fused(rows):
+        unsorted = torch.empty_like(rows)
+        unsorted[order] = rows
+        return (weights.unsqueeze(-1) * unsorted.view(T, k, -1).float()).sum(1).to(dtype)
+    return routed_gather_sum_op(rows, routing_slots(order, k), weights, dtype)
+
+
+# ------------------------------------------------------------------------------------------- the custom ops
+
+def gather_sum_reference(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
+                         dtype: torch.dtype) -> torch.Tensor:
+    gathered = rows[slots].float()  # [T, k, L]
+    if weights is not None:
+        gathered = weights.unsqueeze(-1).float() * gathered
+    return gathered.sum(1).to(dtype)
+
+
+def gather_sum_backward_reference(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                                  weights: torch.Tensor) -> list[torch.Tensor]:
+    g = grad.float().unsqueeze(1)  # [T, 1, L]
+    d_rows = torch.empty_like(rows)
+    d_rows[slots.reshape(-1)] = (weights.float().unsqueeze(-1) * g).to(rows.dtype).flatten(0, 1)
+    return [d_rows, (g * rows[slots].float()).sum(-1)]
+
+
+@torch.library.custom_op("titan_kimi::routed_gather_sum", mutates_args=())
+def routed_gather_sum_op(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
+                         dtype: torch.dtype) -> torch.Tensor:
+    if rows.is_cuda:
+        from lowerings.kernels.routed_combine import gather_sum
+
+        return gather_sum(rows, slots, weights, dtype)
+    return gather_sum_reference(rows, slots, weights, dtype)
+
+
+@routed_gather_sum_op.register_fake
+def _(rows, slots, weights, dtype):
+    return rows.new_empty((slots.shape[0], rows.shape[1]), dtype=dtype)
+
+
+@torch.library.custom_op("titan_kimi::routed_gather_sum_backward", mutates_args=())
+def routed_gather_sum_backward_op(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                                  weights: torch.Tensor) -> list[torch.Tensor]:
+    """``[d_rows, d_weights (fp32)]`` of the weighted gather-sum."""
+    if rows.is_cuda:
+        from lowerings.kernels.routed_combine import gather_sum_backward
+
+        return list(gather_sum_backward(grad, rows, slots, weights))
+    return gather_sum_backward_reference(grad, rows, slots, weights)
+
+
+@routed_gather_sum_backward_op.register_fake
+def _(grad, rows, slots, weights):
+    return [torch.empty_like(rows), weights.new_empty(weights.shape, dtype=torch.float32)]
+
+
+def _gather_sum_setup(ctx, inputs, output):
+    rows, slots, weights, _ = inputs
+    ctx.save_for_backward(rows, slots, weights)
+    ctx.weights_dtype = None if weights is None else weights.dtype
+
+
+def _gather_sum_backward(ctx, grad):
+    rows, slots, weights = ctx.saved_tensors
+    unit = weights is None  # the dispatch's gradient: only its own gradient (a double backward) lands here
+    w = torch.ones(slots.shape, dtype=torch.float32, device=rows.device) if unit else weights
+    d_rows, d_weights = routed_gather_sum_backward_op(grad.contiguous(), rows, slots, w)
+    return d_rows, None, None if unit else d_weights.to(ctx.weights_dtype), None
+
+
+torch.library.register_autograd("titan_kimi::routed_gather_sum", _gather_sum_backward, setup_context=_gather_sum_setup)
+
+
+@torch.library.custom_op("titan_kimi::routed_dispatch", mutates_args=())
+def routed_dispatch_op(x: torch.Tensor, order: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``x[order // top_k]``; its gradient sums each token's rows at ``slots`` (an unweighted gather-sum)."""
+    return x[order // top_k]  # advanced indexing: torch's vectorized gather, faster here than index_select
+
+
+@routed_dispatch_op.register_fake
+def _(x, order, slots, top_k):
+    return x.new_empty((order.shape[0], x.shape[1]))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, _, slots, _ = inputs
+    ctx.save_for_backward(slots)
+    ctx.x_dtype = x.dtype
+
+
+def _dispatch_backward(ctx, grad):
+    (slots,) = ctx.saved_tensors
+    return routed_gather_sum_op(grad.contiguous(), slots, None, ctx.x_dtype), None, None, None
+
+
+torch.library.register_autograd("titan_kimi::routed_dispatch", _dispatch_backward, setup_context=_dispatch_setup)

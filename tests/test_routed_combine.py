@@ -1,0 +1,174 @@
+"""The MoE's dispatch and combine rows (lowerings/ops/routed_combine.py): the custom ops and the Triton kernels
+against the plain torch indexing the reference backend runs, on fresh random inputs, forward and backward;
+under the CPU interpreter at small shapes and (@pytest.mark.gpu) at k31.toml's per-rank shape in bf16."""
+
+import pytest
+import torch
+
+from lowerings.ops import routed_combine as rc
+from lowerings.ops.registry import install_backends, resolved_backends
+
+from test_triton_kernels import _interp_mods, ik  # noqa: F401 (fixtures)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def routing(T: int, k: int, experts: int, L: int, dtype=torch.float32, device="cpu", seed=0):
+    """A stable argsort of random distinct-per-token expert choices, the expert-ordered rows and router weights."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    choices = torch.rand(T, experts, generator=g, device=device).topk(k, dim=-1).indices
+    order = torch.argsort(choices.view(-1), stable=True)
+    rows = torch.randn(T * k, L, generator=g, device=device).to(dtype)
+    weights = torch.rand(T, k, generator=g, device=device)
+    x = torch.randn(T, L, generator=g, device=device).to(dtype)
+    return order, rows, weights, x
+
+
+def reference_combine(rows, order, weights, dtype):
+    """The model's combine as it was written before the op: unsort by scatter, fp32 weighted sum."""
+    T, k = weights.shape
+    unsorted = torch.empty_like(rows)
+    unsorted[order] = rows
+    return (weights.unsqueeze(-1) * unsorted.view(T, k, -1).float()).sum(1).to(dtype)
+
+
+def test_routing_slots_invert_the_order():
+    order, _, _, _ = routing(9, 3, 7, 4)
+    slots = rc.routing_slots(order, 3)
+    assert slots.shape == (9, 3)
+    assert torch.equal(order[slots.view(-1)], torch.arange(27))
+
+
+def test_custom_ops_match_the_indexing_formulas_forward_and_backward():
+    torch.manual_seed(0)
+    T, k, L = 11, 4, 24
+    order, rows, weights, x = routing(T, k, 9, L)  # the sum is fp32 by definition: fp32 inputs, fp32 tolerance
+    slots = rc.routing_slots(order, k)
+    cot = torch.randn(T, L)
+
+    rows_a, w_a = rows.clone().requires_grad_(), weights.clone().requires_grad_()
+    rows_b, w_b = rows.clone().requires_grad_(), weights.clone().requires_grad_()
+    ours = rc.routed_gather_sum_op(rows_a, slots, w_a, torch.float32)
+    ref = reference_combine(rows_b, order, w_b, torch.float32)
+    assert rel_err(ours, ref) < 1e-6
+    ours.backward(cot)
+    ref.backward(cot)
+    assert rel_err(rows_a.grad, rows_b.grad) < 1e-6 and rel_err(w_a.grad, w_b.grad) < 1e-6
+
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    d_ours = rc.routed_dispatch_op(xa, order, slots, k)
+    d_ref = xb[order // k]
+    assert torch.equal(d_ours, d_ref)
+    cot_rows = torch.randn(T * k, L)
+    d_ours.backward(cot_rows)
+    d_ref.backward(cot_rows)
+    assert rel_err(xa.grad, xb.grad) < 1e-6
+
+
+def test_custom_ops_pass_opcheck():
+    T, k, L = 6, 3, 8
+    order, rows, weights, x = routing(T, k, 5, L)
+    slots = rc.routing_slots(order, k)
+    torch.library.opcheck(torch.ops.titan_kimi.routed_gather_sum.default,
+                          (rows.requires_grad_(), slots, weights.requires_grad_(), torch.float32))
+    torch.library.opcheck(torch.ops.titan_kimi.routed_gather_sum.default, (rows, slots, None, torch.bfloat16))
+    torch.library.opcheck(torch.ops.titan_kimi.routed_dispatch.default, (x.requires_grad_(), order, slots, k))
+
+
+def test_wrappers_reject_mismatched_shapes():
+    order, rows, weights, x = routing(5, 2, 4, 8)
+    with pytest.raises(ValueError, match="T \\* k"):
+        rc.dispatch_rows(x, order[:-1], 2)
+    with pytest.raises(ValueError, match="T \\* k"):
+        rc.combine_rows(rows[:-2], order, weights, torch.float32)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_interpreted_kernels_match_the_reference(ik, dtype, tol):
+    T, k, L = 13, 4, 150  # L not a multiple of the column block
+    order, rows, weights, x = routing(T, k, 10, L, dtype=dtype, seed=3)
+    slots = rc.routing_slots(order, k)
+    rows64, w64 = rows.double().requires_grad_(), weights.double().requires_grad_()
+    ref = reference_combine(rows64, order, w64, torch.float64)
+    cot = torch.randn(T, L).to(dtype)
+    ref.backward(cot.double())
+
+    out = ik.routed_combine.gather_sum(rows, slots, weights, dtype)
+    d_rows, d_w = ik.routed_combine.gather_sum_backward(cot, rows, slots, weights)
+    assert out.dtype == dtype and d_rows.dtype == dtype and d_w.dtype == torch.float32
+    assert rel_err(out, ref) < tol and rel_err(d_rows, rows64.grad) < tol and rel_err(d_w, w64.grad) < max(tol, 1e-5)
+
+    # unweighted, into another dtype: the dispatch's gradient (each token's rows summed)
+    summed = ik.routed_combine.gather_sum(rows, slots, None, torch.float32)
+    assert rel_err(summed, rows.double()[slots].sum(1)) < 1e-6
+
+
+def test_interpreted_kernels_reject_bad_shapes(ik):
+    order, rows, weights, _ = routing(4, 2, 5, 8)
+    slots = rc.routing_slots(order, 2)
+    with pytest.raises(ValueError, match="every one of the"):
+        ik.routed_combine.gather_sum(rows[:-1], slots, weights, torch.float32)
+    with pytest.raises(ValueError, match="weights must be"):
+        ik.routed_combine.gather_sum(rows, slots, weights[:, :1], torch.float32)
+    with pytest.raises(ValueError, match="grad must be"):
+        ik.routed_combine.gather_sum_backward(torch.randn(3, 8), rows, slots, weights)
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_kernels_at_the_k31_rank_shape():
+    """4,096 tokens x top-16 rows of the 3,584-wide latent (k31.toml's microbatch on one EP rank's view), bf16."""
+    T, k, L = 4096, 16, 3584
+    order, rows, weights, x = routing(T, k, 896, L, dtype=torch.bfloat16, device="cuda", seed=5)
+    rows32, w32 = rows.float().requires_grad_(), weights.clone().requires_grad_()
+    ref = reference_combine(rows32, order, w32, torch.float32)
+    cot = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
+    ref.backward(cot.float())
+    from lowerings.kernels.routed_combine import gather_sum, gather_sum_backward
+
+    slots = rc.routing_slots(order, k)
+    assert rel_err(gather_sum(rows, slots, weights, torch.bfloat16), ref) < 1e-2
+    d_rows, d_w = gather_sum_backward(cot, rows, slots, weights)
+    assert rel_err(d_rows, rows32.grad) < 1e-2 and rel_err(d_w, w32.grad) < 1e-4
+    assert rel_err(gather_sum(rows, slots, None, torch.float32), rows.float()[slots].sum(1)) < 1e-5
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_latent_moe_triton_backend_matches_reference_backend():
+    """The whole LatentMoE on CUDA in bf16 with routed_combine = triton against = reference: output and every
+    gradient."""
+    from lowerings.ops.registry import ResolvedBackends
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+
+    torch.manual_seed(0)
+    moe = LatentMoE(model_args_for("k3_debug", num_experts=16)).cuda()
+    moe.init_weights()
+    moe = moe.to(torch.bfloat16)
+    moe.router.float()
+    x = torch.randn(2, 96, moe.router.gate.in_features, device="cuda", dtype=torch.bfloat16)
+    cot = torch.randn_like(x)
+    saved = resolved_backends()
+    results = {}
+    try:
+        for backend in ("reference", "triton"):
+            install_backends(saved.replaced({"routed_combine": backend}))
+            xi = x.clone().requires_grad_()
+            moe.zero_grad(set_to_none=True)
+            out = moe(xi)
+            out.backward(cot)
+            results[backend] = [out, xi.grad] + [p.grad for p in moe.parameters() if p.requires_grad]
+    finally:
+        install_backends(saved)
+    assert isinstance(saved, ResolvedBackends)
+    for ours, ref in zip(results["triton"], results["reference"]):
+        assert rel_err(ours, ref) < 1e-2
