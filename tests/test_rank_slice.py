@@ -137,3 +137,22 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     factor, load = StepTimeModel(cfg, args, vision, settings_from_config(cfg)).load_factor(layout.ep)
     assert load == "zipf:0.5" and factor > 1
     assert factor == pytest.approx(parse_load("zipf:0.5", 64, 2, 8, 2).rank_factor, rel=0.05)  # up to rounding
+
+
+def test_profile_categories_name_the_kernels_of_a_k31_layer():
+    """Kernel names as the H100 profiles of k31.toml's layers recorded them, each in the category the report
+    attributes its time to (the first matching pattern wins, so the order of CATEGORIES matters)."""
+    from titan_kimi.parallel.rank_slice.kernel_profile import category
+
+    expected = {
+        "_gather_sum_kernel": "fused kernels (ours)",
+        "_gather_sum_bwd_kernel": "fused kernels (ours)",
+        "_situ_glu_bwd_kernel": "fused kernels (ours)",
+        "_bwd_dq_kernel": "sparse mla / indexer (triton)",
+        "chunk_kda_bwd_kernel_wy_dqkg_fused": "kda (fla)",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT": "gemm",
+        "triton_poi_fused__to_copy_add_mul_0": "inductor fused",
+        "void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*, int, long)": "memory (copy, cat, gather, scatter, fill)",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>": "eager elementwise / reduce",
+    }
+    assert {name: category(name) for name in expected} == expected
