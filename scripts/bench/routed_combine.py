@@ -1,7 +1,8 @@
-"""The MoE's dispatch and combine rows: routed_combine = reference (plain torch indexing, eager and compiled by
-Inductor) against = triton (lowerings/kernels/routed_combine.py), forward and forward + backward.
+"""The MoE's dispatch and combine rows, plain torch indexing against the gather-sum kernels: python3 scripts/bench/routed_combine.py --out DIR
 
-    python3 scripts/bench/routed_combine.py --out DIR     # k31.toml's rank: 4,096 tokens x top-16, latent 3,584
+Defaults: k31.toml's rank, 4,096 tokens x top-16, latent 3,584. routed_combine = reference (plain torch indexing,
+eager and compiled by Inductor) against = triton (lowerings/kernels/routed_combine.py), forward and forward +
+backward.
 
 The dispatch is ``z[order // k]`` (its backward sums each token's k rows); the combine unsorts the experts'
 outputs and sums them with the router weights in fp32. Writes ``routed_combine.json`` and ``.md`` (medians of
