@@ -39,7 +39,8 @@ BACKEND_OPS: dict[str, OpEntry] = {
     "routed_combine": OpEntry(
         "the MoE's rows around the routed experts (each token's latent row copied into expert order, and the "
         "router-weighted fp32 sum of its expert outputs): triton = gather-sum kernels written here, one pass each "
-        "way; reference = plain torch indexing (fused by Inductor where the MoE compiles); auto = triton on CUDA",
+        "way, where the MoE runs eager (under expert parallelism, or compile off); reference = plain torch "
+        "indexing; inside a compiled MoE both trace the plain indexing for Inductor to fuse; auto = triton on CUDA",
         ("reference", "triton")),
     "attn_res_mix": OpEntry("attention-residual mix backend", ("reference", "triton")),
     "linear_cross_entropy": OpEntry(

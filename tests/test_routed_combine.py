@@ -172,3 +172,29 @@ def test_gpu_latent_moe_triton_backend_matches_reference_backend():
     assert isinstance(saved, ResolvedBackends)
     for ours, ref in zip(results["triton"], results["reference"]):
         assert rel_err(ours, ref) < 1e-2
+
+
+def test_triton_backend_runs_the_ops_in_eager_and_the_plain_indexing_inside_compiled_regions(monkeypatch):
+    """With routed_combine = triton on a (stand-in) CUDA tensor, eager code calls the custom ops, while a compiled
+    region traces the plain indexing, which Inductor fuses with its neighbours."""
+    order, rows, weights, x = routing(7, 3, 6, 16)
+    saved = resolved_backends()
+    monkeypatch.setattr(rc, "on_cuda", lambda t: True)
+    calls = []
+    monkeypatch.setattr(rc, "routed_gather_sum_op", lambda *a: calls.append("op") or rc.gather_sum_reference(*a))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    try:
+        install_backends(saved.replaced({"routed_combine": "triton"}))
+        eager = rc.combine_rows(rows, order, weights, torch.float32)
+        assert calls == ["op"]
+        compiled = torch.compile(lambda r, w: rc.combine_rows(r, order, w, torch.float32), backend=capture,
+                                 fullgraph=True)(rows, weights)
+    finally:
+        install_backends(saved)
+    assert calls == ["op"] and len(graphs) == 1 and "routed_gather_sum" not in graphs[0]
+    assert rel_err(compiled, eager) < 1e-6
