@@ -121,12 +121,13 @@ def test_row_alignment_keeps_only_indices_for_backward():
 def test_compiled_experts_under_autocast_use_grouped_gemm(monkeypatch):
     """fp32 rows under bf16 autocast (fp32 master weights, one process) go to the grouped GEMM in bf16 as
     autocast would, never to _masked_mm (every expert times every row) in the compiled step."""
+    from lowerings.ops import expert_gemm
     from titan_kimi.models.kimi_k3 import moe
 
     def masked(*args):
         raise AssertionError("the compiled experts fell back to _masked_mm")
 
-    monkeypatch.setattr(moe, "_masked_mm", masked)
+    monkeypatch.setattr(expert_gemm, "_masked_mm", masked)
     torch.manual_seed(0)
     experts = moe.GroupedExperts(4, 16, 16, 4.0, 25.0, 0.02)
     experts.init_weights()

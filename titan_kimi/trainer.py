@@ -45,7 +45,7 @@ from titan_kimi.training.setup.build import (build_model_from_config, dataloader
                                              tokenizer_from_config, vision_args_from_config)
 from titan_kimi.training.reports.indexer_metrics import IndexerMetrics
 from titan_kimi.training.setup.indexer_training import indexer_step_inputs
-from titan_kimi.training.setup.kernels import configure_kernels, import_backend_libraries
+from titan_kimi.training.setup.kernels import check_routed_expert_gemm, configure_kernels, import_backend_libraries
 from titan_kimi.training.setup.kernels import describe as describe_kernels
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.optim.grad_clip import NonFiniteGradientError, clip_gradients
@@ -523,6 +523,7 @@ def _run(argv: list[str], prewarm: FlaPrewarm, modules: ModulePrewarm, startup: 
     if world_size != env.world_size:
         raise ValueError(f"job.world_size = {world_size} but the launcher started {env.world_size} processes")
     resolved = configure_kernels(cfg.kernels, args)
+    check_routed_expert_gemm(cfg.training.routed_expert_gemm, pick_device(env))
     logger.info("kernels: %s", describe_kernels(resolved))
     if cfg.compile.prewarm_modules:
         if (reason := prewarm_unsupported(cfg, layout, image_text=image_text)) is not None:

@@ -189,6 +189,14 @@ def mixed_precision_only_lowers(cfg: JobConfig, source_of: SourceOf) -> None:
                       f"{cfg.model.dtype}, or model.dtype = \"float32\"")
 
 
+def fp8_expert_gemms_without_adapters(cfg: JobConfig, source_of: SourceOf) -> None:
+    if cfg.training.routed_expert_gemm == "fp8_rowwise" and cfg.lora.enable:
+        raise _reject(cfg, "training.routed_expert_gemm", source_of,
+                      f"is not combined with {_other(cfg, 'lora.enable', source_of)} (the adapted experts' low-rank "
+                      "GEMMs are narrower than FP8's 16-column tiles, and their frozen base needs no FP8 weight "
+                      "gradient)", "\"default\", or lora.enable = false")
+
+
 def checkpoint_keys_need_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
     """Keys that act only when checkpointing is on would otherwise be accepted and do nothing."""
     c = cfg.checkpoint
@@ -331,6 +339,7 @@ RULES: tuple[Rule, ...] = (
     global_batch_is_whole_local_batches,
     context_parallel_kda_has_a_backend,
     mixed_precision_only_lowers,
+    fp8_expert_gemms_without_adapters,
     hf_save_is_model_only,
     profiling_steps_are_in_the_run,
     checkpoint_keys_need_checkpointing,

@@ -86,6 +86,10 @@ class Training:
     reduce_dtype: str = option(
         "float32", "dtype of gradient reduction under FSDP mixed precision", choices=("float32", "bfloat16"))
     mixed_precision: bool = option(True, "apply the FSDP mixed-precision policy (param_dtype, reduce_dtype)")
+    routed_expert_gemm: str = option(
+        "default", "the routed experts' grouped GEMMs: default = in the compute dtype; fp8_rowwise = FP8 with dynamic "
+        "row-wise scales in the forward and both backward GEMMs (torchao's; needs an sm89+ GPU; an opt-in, measured "
+        "against bf16 in docs/perf.md)", choices=("default", "fp8_rowwise"))
     gc_freq: int = option(
         50, "run Python garbage collection every N steps (automatic collection is off during training)",
         bounds=at_least(1))

@@ -62,6 +62,15 @@ def _permutation_on_any_device() -> None:
     tt_expert_parallel._permute, tt_expert_parallel._unpermute = permute, unpermute
 
 
+def set_expert_row_alignment(rows: int) -> None:
+    """The EP permutation pads each local expert's received rows to a multiple of ``rows``: torchtitan's
+    process-wide ``TOKEN_GROUP_ALIGN_SIZE_M``, which its index generation and ``expert_permutation`` read per call
+    (8 for bf16 grouped GEMMs, 16 for FP8's)."""
+    from torchtitan.models.moe.utils import set_token_group_alignment_size_m
+
+    set_token_group_alignment_size_m(rows)
+
+
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for block in model.layers.values() if getattr(block, "moe_enabled", False)]
 

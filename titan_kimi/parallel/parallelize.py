@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from lowerings.ops.expert_gemm import row_alignment
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.model import KimiK3Model
+from titan_kimi.models.kimi_k3.moe import set_routed_expert_gemm
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_kimi.parallel.compile import apply_compile, apply_loss_compile
-from titan_kimi.parallel.expert_parallel import apply_expert_parallel
+from titan_kimi.parallel.expert_parallel import apply_expert_parallel, set_expert_row_alignment
 from titan_kimi.parallel.fsdp import apply_fsdp, reshard_after_forward
 from titan_kimi.parallel.mesh import Meshes
 
@@ -24,6 +26,10 @@ def mixed_precision_dtype(cfg) -> torch.dtype | None:
 
 
 def _ac_and_compile(model: KimiK3Model, cfg, *, experts_outside: bool) -> None:
+    precision = cfg.training.routed_expert_gemm
+    set_routed_expert_gemm(model, precision)
+    if experts_outside:  # the EP permutation pads the received rows for the GEMMs
+        set_expert_row_alignment(row_alignment(precision))
     apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.mode != "none":
         if "model" in cfg.compile.components:

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from lowerings import ops
 from lowerings.autocast import matmul_dtype
+from lowerings.ops.expert_gemm import grouped_mm, row_alignment
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared, init_linear
 from titan_kimi.models.kimi_k3.mlp import SituMLP
@@ -59,7 +60,12 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """All routed experts of a layer as stacked weights: ``w13 [E, 2F, L]`` (gate rows then up), ``w2 [E, L, F]``."""
+    """All routed experts of a layer as stacked weights: ``w13 [E, 2F, L]`` (gate rows then up), ``w2 [E, L, F]``.
+
+    ``gemm_precision`` (``lowerings.ops.expert_gemm.PRECISIONS``): how the two grouped GEMMs run; set on a built
+    model by ``set_routed_expert_gemm`` from ``training.routed_expert_gemm``."""
+
+    gemm_precision = "default"
 
     def __init__(self, num_experts: int, dim: int, hidden: int, beta: float, beta_lin: float, init_std: float) -> None:
         super().__init__()
@@ -71,7 +77,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x [N, L]`` sorted by expert with ``num_tokens_per_expert [E]`` rows each -> ``[N, L]``."""
         if x.is_cuda:
-            return _aligned_for_grouped_mm(self.run, self.w13, self.w2, x, num_tokens_per_expert)
+            return _aligned_for_grouped_mm(self.run, self.w13, self.w2, x, num_tokens_per_expert,
+                                           align=row_alignment(self.gemm_precision))
         return self.run(self.w13, self.w2, x, num_tokens_per_expert)
 
     def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
@@ -83,9 +90,9 @@ class GroupedExperts(nn.Module):
         dtype = matmul_dtype(x)
         x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
-        h = expert_matmul(x, w13.transpose(-2, -1), offsets)
+        h = grouped_mm(x, w13.transpose(-2, -1), offsets, self.gemm_precision)
         h = ops.situ_glu(h, self.beta, self.beta_lin)
-        return expert_matmul(h, w2.transpose(-2, -1), offsets)
+        return grouped_mm(h, w2.transpose(-2, -1), offsets, self.gemm_precision).to(x.dtype)
 
     def parameter_init_specs(self) -> dict[str, InitSpec]:
         return {"w13": InitSpec("normal", std=self.init_std), "w2": InitSpec("normal", std=self.init_std)}
@@ -95,25 +102,22 @@ class GroupedExperts(nn.Module):
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Grouped GEMM: the rows of expert e (``offsets`` = cumulative row counts) times ``w[e]`` ``[E, K, N]``."""
-    if x.dtype == torch.bfloat16 or not torch.compiler.is_compiling():
-        return torch._grouped_mm(x, w, offs=offsets)
-    return _masked_mm(x, w, offsets)
+    """Grouped GEMM in the compute dtype: the rows of expert e (``offsets`` = cumulative row counts) times ``w[e]``
+    ``[E, K, N]`` (the LoRA adapters' low-rank products)."""
+    return grouped_mm(x, w, offsets)
 
 
-def _masked_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Grouped GEMM for dtypes the compiled grouped_mm rejects (fp32 debug runs): every expert multiplies
-    every row and each row keeps its own expert's result. E times the work, but static shapes."""
-    expert_of_row = torch.searchsorted(offsets, torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype),
-                                       right=True)
-    out = x.new_zeros(x.shape[0], w.shape[-1])
-    for e in range(w.shape[0]):
-        out = torch.where((expert_of_row == e).unsqueeze(1), x @ w[e], out)
-    return out
+def set_routed_expert_gemm(model: nn.Module, precision: str) -> int:
+    """Every ``GroupedExperts`` of ``model`` runs its grouped GEMMs at ``precision``; returns how many."""
+    row_alignment(precision)  # a ValueError for an unknown precision
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    for m in experts:
+        m.gemm_precision = precision
+    return len(experts)
 
 
 # CUDA grouped GEMMs want each expert's row block 16-byte aligned: 8 rows of bf16 (as torchtitan pads).
-GROUP_ROW_ALIGN = 8
+GROUP_ROW_ALIGN = row_alignment("default")
 
 
 def _aligned_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert, align: int = GROUP_ROW_ALIGN):

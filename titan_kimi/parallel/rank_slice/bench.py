@@ -29,7 +29,7 @@ from titan_kimi.parallel.step_time.describe import settings_from_config
 from titan_kimi.parallel.step_time.estimate import StepTimeModel
 from titan_kimi.parallel.step_time.table import Table, ac_share, geometry_key, merge_entries
 from titan_kimi.training.setup.build import model_args_from_config, tokenizer_from_config, vision_args_from_config
-from titan_kimi.training.setup.kernels import configure_kernels
+from titan_kimi.training.setup.kernels import check_routed_expert_gemm, configure_kernels
 
 PACKAGES = ("torch", "triton", "fla-core", "nvidia-cudnn-frontend", "torchtitan")
 
@@ -65,6 +65,7 @@ class RankSliceBench:
         self.layout = resolve_layout(cfg, opts.world_size, args, image_text=self.vision is not None)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.resolved = configure_kernels(cfg.kernels, args)
+        check_routed_expert_gemm(t.routed_expert_gemm, self.device)
         if opts.rows:
             cfg.step_time.rows = opts.rows  # the same forms; the step-time model checks it against seq_len
         self.model = StepTimeModel(cfg, args, self.vision, settings_from_config(cfg))

@@ -35,6 +35,16 @@ def configure_kernels(kernels: Any, args: Any) -> dict[str, Any]:
     return resolved
 
 
+def check_routed_expert_gemm(precision: str, device: Any) -> None:
+    """``training.routed_expert_gemm``: a ValueError, before the model is built, when it cannot run on ``device``
+    (importing torchao here also keeps its pytree registrations out of the first compiled step)."""
+    from lowerings.ops.expert_gemm import fp8_unavailable_reason
+
+    if precision == "fp8_rowwise" and (reason := fp8_unavailable_reason(device)) is not None:
+        raise ValueError(f"training.routed_expert_gemm = 'fp8_rowwise' cannot run here: {reason}; valid here: "
+                         "'default'")
+
+
 def describe(resolved: dict[str, Any]) -> str:
     return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in resolved.items())
 
