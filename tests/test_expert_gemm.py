@@ -91,15 +91,20 @@ def test_gpu_fp8_experts_against_bf16_and_fp32():
     x = torch.randn(int(counts.sum()), L, device="cuda")
     cot = torch.randn(x.shape[0], L, device="cuda")
     results = {}
-    for name, precision, dtype in (("fp32", "default", torch.float32), ("bf16", "default", torch.bfloat16),
-                                   ("fp8", "fp8_rowwise", torch.bfloat16)):
+    # the fp32 truth on the CPU (CUDA's grouped GEMM takes bf16), the bf16 and FP8 GEMMs on the GPU
+    for name, precision, device, dtype in (("fp32", "default", "cpu", torch.float32),
+                                           ("bf16", "default", "cuda", torch.bfloat16),
+                                           ("fp8", "fp8_rowwise", "cuda", torch.bfloat16)):
         experts.gemm_precision = precision
-        xi = x.to(dtype).requires_grad_()
-        w13 = experts.w13.detach().to(dtype).requires_grad_()
-        w2 = experts.w2.detach().to(dtype).requires_grad_()
-        out = _aligned_for_grouped_mm(experts.run, w13, w2, xi, counts, align=row_alignment(precision))
-        out.backward(cot.to(dtype))
-        results[name] = (out, xi.grad, w13.grad, w2.grad)
+        xi = x.to(device, dtype).requires_grad_()
+        w13 = experts.w13.detach().to(device, dtype).requires_grad_()
+        w2 = experts.w2.detach().to(device, dtype).requires_grad_()
+        if device == "cpu":
+            out = experts.run(w13, w2, xi, counts.cpu())
+        else:
+            out = _aligned_for_grouped_mm(experts.run, w13, w2, xi, counts, align=row_alignment(precision))
+        out.backward(cot.to(device, dtype))
+        results[name] = tuple(t.float().cpu() for t in (out, xi.grad, w13.grad, w2.grad))
     truth = results["fp32"]
     bf16_err = [rel_err(a, b) for a, b in zip(results["bf16"], truth)]
     fp8_err = [rel_err(a, b) for a, b in zip(results["fp8"], truth)]

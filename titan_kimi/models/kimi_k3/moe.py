@@ -135,7 +135,10 @@ def _aligned_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert, align: int =
     dest = (padded.cumsum(0) - padded)[expert] + row - (ends - counts)[expert]
     # Gather into the padded layout (padding rows read an appended zero row) rather than scatter: autograd's
     # index_copy keeps its whole source for backward, a gather keeps only the indices.
-    source = torch.full((rows + experts * (align - 1),), rows, dtype=torch.int64, device=x.device)
+    # room for the worst case, a whole number of groups long: FP8's weight-gradient GEMM reads the buffer
+    # transposed, whose row stride must be a multiple of 16 bytes
+    room = -(-(rows + experts * (align - 1)) // align) * align
+    source = torch.full((room,), rows, dtype=torch.int64, device=x.device)
     source[dest] = row
     buffer = torch.cat([x, x.new_zeros(1, x.shape[1])])[source]
     return run(w13, w2, buffer, padded)[dest]
