@@ -129,9 +129,13 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     assert "measured under compile.mode none, not this config's default" in describe_step_time(cfg, args, layout,
                                                                                               vision)[0]
     cfg.compile.mode = "none"
+    cfg.training.routed_expert_gemm = "fp8_rowwise"  # and FP8 expert GEMMs
+    assert ("measured under training.routed_expert_gemm default, not this config's fp8_rowwise"
+            in describe_step_time(cfg, args, layout, vision)[0])
+    cfg.training.routed_expert_gemm = "default"
     written = json.loads((out / "step_time_h200.json").read_text())["geometries"]
-    assert {r["compile"] for g in written.values() for sec in g.values() for rows in sec.values() for r in rows} == {
-        "none"}
+    records = [r for g in written.values() for sec in g.values() for rows in sec.values() for r in rows]
+    assert {(r["compile"], r["expert_gemm"]) for r in records} == {("none", "default")}
     cfg.step_time.expert_load = "skewed"
     assert "expert load skewed" in describe_step_time(cfg, args, layout, vision)[0]
     factor, load = StepTimeModel(cfg, args, vision, settings_from_config(cfg)).load_factor(layout.ep)

@@ -336,7 +336,7 @@ class RankSliceBench:
                 continue
             record = {"tokens": e.tokens, "rows": e.rows,
                       "ac": ac if e.kind == "block" else 0.0, "load": e.load or "balanced",
-                      "compile": self.cfg.compile.mode,
+                      "compile": self.cfg.compile.mode, "expert_gemm": self.cfg.training.routed_expert_gemm,
                       "forward_ms": e.forward_ms, "backward_ms": e.backward_ms, "forward_flops": e.flops.forward,
                       "backward_flops": e.flops.backward, "saved_gib": e.saved_gib, "peak_gib": e.peak_gib, **stamp}
             table = merge_entries(table, geometry, section, e.name if e.kind == "block" else e.kind, record,

@@ -41,6 +41,11 @@ def ac_share(mode: str, option: str = "op") -> float:
     return RECOMPUTE_SHARE[mode]
 
 
+# The settings each entry records beside its times (a record without one ran under the default), by record key:
+# the config key it was measured under and that key's default.
+MEASURED_UNDER = {"compile": ("compile.mode", "none"), "expert_gemm": ("training.routed_expert_gemm", "default")}
+
+
 @dataclass(frozen=True)
 class Measured:
     tokens: int
@@ -51,6 +56,7 @@ class Measured:
     ac: float  # forwards recomputed inside backward_ms
     load: str
     compile: str = "none"  # the compile.mode it was measured under
+    expert_gemm: str = "default"  # the training.routed_expert_gemm it was measured under
 
     @property
     def forward_rate(self) -> float:
@@ -93,21 +99,25 @@ class Table:
     def entries(self, geometry: str, section: str, kind: str) -> list[Measured]:
         rows = self.raw(geometry, section).get(kind, [])
         return [Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"],
-                         r["ac"], r["load"], r.get("compile", "none")) for r in rows]
+                         r["ac"], r["load"], **{k: r.get(k, default) for k, (_, default) in MEASURED_UNDER.items()})
+                for r in rows]
 
-    def compile_modes(self, geometry: str) -> set[str]:
-        """The compile modes the geometry's entries were measured under (an entry without one: eager)."""
-        return {r.get("compile", "none") for section in self.data.get("geometries", {}).get(geometry, {}).values()
+    def measured_under(self, geometry: str, key: str) -> set[str]:
+        """The values of setting ``key`` (of MEASURED_UNDER) the geometry's entries were measured under."""
+        default = MEASURED_UNDER[key][1]
+        return {r.get(key, default) for section in self.data.get("geometries", {}).get(geometry, {}).values()
                 for rows in section.values() for r in rows} if self.data else set()
 
     def time_ms(self, geometry: str, section: str, kind: str, tokens: int, forward_flops: float,
-                backward_flops: float, ac: float, load: str = "balanced",
-                compile_mode: str = "none") -> tuple[float, float] | None:
+                backward_flops: float, ac: float, load: str = "balanced", compile_mode: str = "none",
+                expert_gemm: str = "default") -> tuple[float, float] | None:
         """(forward ms, backward ms incl. ``ac`` recomputed forwards) of ``kind`` at ``tokens`` with these
-        FLOPs, from the rates measured nearest in tokens under ``compile_mode`` (else any mode) and load
-        ``load`` (else balanced); None if the kind was never measured for this geometry."""
+        FLOPs, from the rates measured nearest in tokens under ``compile_mode`` and ``expert_gemm`` (else under
+        the compile mode alone, else any) and load ``load`` (else balanced); None if the kind was never measured
+        for this geometry."""
         found = self.entries(geometry, section, kind)
-        found = [m for m in found if m.compile == compile_mode] or found
+        found = ([m for m in found if m.compile == compile_mode and m.expert_gemm == expert_gemm]
+                 or [m for m in found if m.compile == compile_mode] or found)
         chosen = [m for m in found if m.load == load] or [m for m in found if m.load == "balanced"] or found
         if not chosen:
             return None
@@ -149,6 +159,6 @@ def merge_entries(table: dict[str, Any] | None, geometry: str, section: str, kin
         raise ValueError(f"the table holds {out.get('hardware')} measurements; this run is on {hardware}: "
                          "write another table file")
     kinds = out["geometries"].setdefault(geometry, {}).setdefault(section, {})
-    same = ("tokens", "ac", "load", "rows", "compile")
+    same = ("tokens", "ac", "load", "rows", *MEASURED_UNDER)
     kinds[kind] = [e for e in kinds.get(kind, []) if any(e.get(k) != entry.get(k) for k in same)] + [entry]
     return out
