@@ -116,11 +116,7 @@ def set_routed_expert_gemm(model: nn.Module, precision: str) -> int:
     return len(experts)
 
 
-# CUDA grouped GEMMs want each expert's row block 16-byte aligned: 8 rows of bf16 (as torchtitan pads).
-GROUP_ROW_ALIGN = row_alignment("default")
-
-
-def _aligned_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert, align: int = GROUP_ROW_ALIGN):
+def _aligned_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert, align: int = row_alignment("default")):
     """Run ``run`` on a copy of ``x`` in which every expert's rows start at a multiple of ``align``.
 
     Static shapes and no host sync: the padded buffer has room for the worst case (``align - 1`` rows of

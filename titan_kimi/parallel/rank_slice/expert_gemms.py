@@ -1,5 +1,5 @@
-"""The routed experts' GEMMs of one EP rank alone, against their floor: what runs (``torch._grouped_mm`` over
-the local experts' aligned row groups, as ``GroupedExperts.run``), one ``mm`` per expert, and one dense GEMM
+"""The routed experts' GEMMs of one EP rank alone, against their floor: what runs (``GroupedExperts.run`` over
+the local experts' aligned row groups, at its ``gemm_precision``), one ``mm`` per expert, and one dense GEMM
 chain with the same rows and FLOPs (no grouping: the rate the grouped kernel could reach at this size).
 
 Each is forward + backward (input and weight gradients) of ``x @ w13^T -> SiTU-GLU -> @ w2^T``."""
@@ -10,20 +10,21 @@ import torch
 
 from lowerings import ops
 from titan_kimi.models.kimi_k3.layer_flops import LayerFlops
-from titan_kimi.models.kimi_k3.moe import GROUP_ROW_ALIGN
+from lowerings.ops.expert_gemm import row_alignment
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
 from titan_kimi.parallel.rank_slice.measure import Entry, _timed
 
 
-def _aligned_counts(load: ExpertLoad) -> list[int]:
+def _aligned_counts(load: ExpertLoad, align: int) -> list[int]:
     per_expert = load.counts.sum(0).tolist()
-    return [max(GROUP_ROW_ALIGN, -(-c // GROUP_ROW_ALIGN) * GROUP_ROW_ALIGN) for c in per_expert]
+    return [max(align, -(-c // align) * align) for c in per_expert]
 
 
 def measure_expert_gemms(experts: torch.nn.Module, load: ExpertLoad, *, warmup: int, repeats: int,
                          generator: torch.Generator, device: torch.device) -> list[Entry]:
     """Entries for the three ways, on the rows ``load`` gives each local expert (padded as torchtitan pads)."""
-    counts = _aligned_counts(load)
+    align = row_alignment(experts.gemm_precision)
+    counts = _aligned_counts(load, align)
     w13, w2 = experts.w13, experts.w2
     rows, latent, hidden = sum(counts), w13.shape[-1], w2.shape[-1]
     dtype = w13.dtype
@@ -49,7 +50,8 @@ def measure_expert_gemms(experts: torch.nn.Module, load: ExpertLoad, *, warmup: 
         h = ops.situ_glu(x @ w13[0].t(), beta, beta_lin)
         return [h @ w2[0].t()], [grad]
 
-    note = f"{len(counts)} experts, {rows} rows (aligned to {GROUP_ROW_ALIGN}), {latent} -> {hidden} -> {latent}; {load.name}"
+    note = (f"{len(counts)} experts, {rows} rows (aligned to {align}), {latent} -> {hidden} -> {latent}; {load.name}; "
+            f"routed_expert_gemm {experts.gemm_precision} (the other two: the compute dtype)")
     out = []
     for name, fn in (("experts: grouped_mm (what runs)", grouped), ("experts: one mm per expert", per_expert),
                      ("experts: one dense GEMM chain (the floor)", dense)):
