@@ -149,6 +149,19 @@ def loss_spread_k3_small(r: Runner, folder: Path) -> None:
     r.tail(folder / "loss_curves.md", 14)
 
 
+def loss_curves_fp8_experts(r: Runner, folder: Path) -> None:
+    """k3_small as shipped with FP8 routed-expert GEMMs between two bf16 runs (their spread is the yardstick),
+    60 steps each."""
+    config = "train_configs/k3_small.toml"
+    for name, extra in (("k3_small_bf16_a", []), ("k3_small_fp8", ["--training.routed_expert_gemm", "fp8_rowwise"]),
+                        ("k3_small_bf16_b", [])):
+        recipe(r, folder, name, config, "--training.steps", "60", *extra, cache="fp8_loss_curves")
+    runs = [folder / name / "metrics.jsonl" for name in ("k3_small_bf16_a", "k3_small_bf16_b", "k3_small_fp8")]
+    r.run("loss_curves", Command(python("scripts/check/loss_curves.py", *map(str, runs), "--out",
+                                        str(folder / "loss_curves.json")), log=folder / "loss_curves.md", timeout=60))
+    r.tail(folder / "loss_curves.md", 14)
+
+
 # ----------------------------------------------------------------------------------------------- one step, numerics
 
 def compile_modes_step(r: Runner, folder: Path, label: str, args: list[str], timeout: int) -> None:
@@ -375,6 +388,15 @@ def rank_slice_k31_compile(r: Runner, folder: Path) -> None:
                    "compiled=--compile.mode default", "--variant-parts", "layers", "profile", "stage", timeout=540)
 
 
+def rank_slice_k31_fp8(r: Runner, folder: Path) -> None:
+    # A/B only, compiled as the faster mode measured: bf16 against FP8 routed-expert GEMMs
+    checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config", "train_configs/k31.toml",
+                   "--world-size", "256", "--loads", "balanced", "--parts", "--variants",
+                   "bf16=--compile.mode default",
+                   "fp8=--compile.mode default --training.routed_expert_gemm fp8_rowwise", "--variant-parts",
+                   "layers", "profile", "stage", timeout=540)
+
+
 def rank_slice_hellaswag(r: Runner, folder: Path) -> None:
     # As shipped the recipe's stage needs ~233 GiB (docs/perf.md): the stage part runs it with the FSDP handling
     # that fits an H200 (k31.toml ships the same two settings).
@@ -460,6 +482,10 @@ def single_gpu_parts() -> list[Part]:
         Part("rank_slice_k31", "one rank of k31.toml at 256 GPUs at full width: per layer kind, its schedule, peak "
                                "memory, profiles; writes the step-time table", rank_slice_k31),
         Part("rank_slice_hellaswag", "the same for k3_hellaswag.toml", rank_slice_hellaswag),
+        Part("rank_slice_k31_fp8", "k31.toml's stage 0 compiled, bf16 against FP8 routed-expert GEMMs at full "
+                                   "width: per layer kind, profiles, the schedule", rank_slice_k31_fp8),
+        Part("loss_curves_fp8_experts", "k3_small 60 steps with FP8 routed-expert GEMMs between two bf16 runs",
+             loss_curves_fp8_experts),
         Part("rank_slice_k31_compile", "k31.toml's stage 0 eager against --compile.mode default at full width: "
                                        "per layer kind, profiles, the schedule's time and peak memory",
              rank_slice_k31_compile),
