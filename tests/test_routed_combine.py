@@ -198,3 +198,30 @@ def test_triton_backend_runs_the_ops_in_eager_and_the_plain_indexing_inside_comp
         install_backends(saved)
     assert calls == ["op"] and len(graphs) == 1 and "routed_gather_sum" not in graphs[0]
     assert rel_err(compiled, eager) < 1e-6
+
+
+def test_latent_moe_through_the_custom_ops_matches_the_indexing(monkeypatch):
+    """The model's MoE with the triton backend's custom ops (their CPU bodies, on a stand-in CUDA tensor) against
+    the plain indexing: output and every gradient, fp32."""
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+
+    torch.manual_seed(0)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    x = torch.randn(2, 9, moe.router.gate.in_features)
+    cot = torch.randn_like(x)
+    saved = resolved_backends()
+    monkeypatch.setattr(rc, "on_cuda", lambda t: True)
+    results = {}
+    try:
+        for backend in ("reference", "triton"):
+            install_backends(saved.replaced({"routed_combine": backend}))
+            xi = x.clone().requires_grad_()
+            moe.zero_grad(set_to_none=True)
+            moe(xi).backward(cot)
+            results[backend] = [xi.grad] + [p.grad for p in moe.parameters() if p.requires_grad]
+    finally:
+        install_backends(saved)
+    for ours, ref in zip(results["triton"], results["reference"]):
+        assert rel_err(ours, ref) < 1e-6
