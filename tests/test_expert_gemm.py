@@ -19,6 +19,12 @@ def rel_err(a, b):
 
 def test_precisions_and_their_row_alignment():
     assert PRECISIONS == ("default", "fp8_rowwise")
+    import dataclasses
+
+    from titan_kimi.config.sections import Training
+
+    key = {f.name: f for f in dataclasses.fields(Training)}["routed_expert_gemm"]
+    assert key.metadata["choices"] == PRECISIONS  # the config (torch-free) lists the same precisions
     assert (row_alignment("default"), row_alignment("fp8_rowwise")) == (8, 16)
     with pytest.raises(ValueError, match="'fp4'"):
         row_alignment("fp4")

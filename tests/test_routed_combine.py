@@ -81,9 +81,9 @@ def test_custom_ops_pass_opcheck():
 def test_wrappers_reject_mismatched_shapes():
     order, rows, weights, x = routing(5, 2, 4, 8)
     with pytest.raises(ValueError, match="T \\* k"):
-        rc.dispatch_rows(x, order[:-1], 2)
+        rc.dispatch_rows(x, rc.route_rows(order[:-2], 2))
     with pytest.raises(ValueError, match="T \\* k"):
-        rc.combine_rows(rows[:-2], order, weights, torch.float32)
+        rc.combine_rows(rows[:-2], rc.route_rows(order, 2), weights, torch.float32)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
@@ -146,7 +146,6 @@ def test_gpu_kernels_at_the_k31_rank_shape():
 def test_gpu_latent_moe_triton_backend_matches_reference_backend():
     """The whole LatentMoE on CUDA in bf16 with routed_combine = triton against = reference: output and every
     gradient."""
-    from lowerings.ops.registry import ResolvedBackends
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.models.kimi_k3.moe import LatentMoE
 
@@ -156,20 +155,7 @@ def test_gpu_latent_moe_triton_backend_matches_reference_backend():
     moe = moe.to(torch.bfloat16)
     moe.router.float()
     x = torch.randn(2, 96, moe.router.gate.in_features, device="cuda", dtype=torch.bfloat16)
-    cot = torch.randn_like(x)
-    saved = resolved_backends()
-    results = {}
-    try:
-        for backend in ("reference", "triton"):
-            install_backends(saved.replaced({"routed_combine": backend}))
-            xi = x.clone().requires_grad_()
-            moe.zero_grad(set_to_none=True)
-            out = moe(xi)
-            out.backward(cot)
-            results[backend] = [out, xi.grad] + [p.grad for p in moe.parameters() if p.requires_grad]
-    finally:
-        install_backends(saved)
-    assert isinstance(saved, ResolvedBackends)
+    results = moe_results_per_backend(moe, x)
     for ours, ref in zip(results["triton"], results["reference"]):
         assert rel_err(ours, ref) < 1e-2
 
@@ -190,10 +176,10 @@ def test_triton_backend_runs_the_ops_in_eager_and_the_plain_indexing_inside_comp
 
     try:
         install_backends(saved.replaced({"routed_combine": "triton"}))
-        eager = rc.combine_rows(rows, order, weights, torch.float32)
+        eager = rc.combine_rows(rows, rc.route_rows(order, 3), weights, torch.float32)
         assert calls == ["op"]
-        compiled = torch.compile(lambda r, w: rc.combine_rows(r, order, w, torch.float32), backend=capture,
-                                 fullgraph=True)(rows, weights)
+        compiled = torch.compile(lambda r, w: rc.combine_rows(r, rc.route_rows(order, 3), w, torch.float32),
+                                 backend=capture, fullgraph=True)(rows, weights)
     finally:
         install_backends(saved)
     assert calls == ["op"] and len(graphs) == 1 and "routed_gather_sum" not in graphs[0]
@@ -202,7 +188,7 @@ def test_triton_backend_runs_the_ops_in_eager_and_the_plain_indexing_inside_comp
 
 def test_latent_moe_through_the_custom_ops_matches_the_indexing(monkeypatch):
     """The model's MoE with the triton backend's custom ops (their CPU bodies, on a stand-in CUDA tensor) against
-    the plain indexing: output and every gradient, fp32."""
+    the plain indexing: output and every gradient, fp32 (the slots computed once for both)."""
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.models.kimi_k3.moe import LatentMoE
 
@@ -210,18 +196,25 @@ def test_latent_moe_through_the_custom_ops_matches_the_indexing(monkeypatch):
     moe = LatentMoE(model_args_for("k3_debug"))
     moe.init_weights()
     x = torch.randn(2, 9, moe.router.gate.in_features)
+    monkeypatch.setattr(rc, "on_cuda", lambda t: True)
+    results = moe_results_per_backend(moe, x)
+    for ours, ref in zip(results["triton"], results["reference"]):
+        assert rel_err(ours, ref) < 1e-6
+
+
+def moe_results_per_backend(moe, x: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """routed_combine backend -> the MoE's output, input gradient and every parameter gradient for one cotangent."""
     cot = torch.randn_like(x)
     saved = resolved_backends()
-    monkeypatch.setattr(rc, "on_cuda", lambda t: True)
     results = {}
     try:
         for backend in ("reference", "triton"):
             install_backends(saved.replaced({"routed_combine": backend}))
             xi = x.clone().requires_grad_()
             moe.zero_grad(set_to_none=True)
-            moe(xi).backward(cot)
-            results[backend] = [xi.grad] + [p.grad for p in moe.parameters() if p.requires_grad]
+            out = moe(xi)
+            out.backward(cot)
+            results[backend] = [out, xi.grad] + [p.grad for p in moe.parameters() if p.requires_grad]
     finally:
         install_backends(saved)
-    for ours, ref in zip(results["triton"], results["reference"]):
-        assert rel_err(ours, ref) < 1e-6
+    return results

@@ -33,7 +33,8 @@ def fp8_unavailable_reason(device: torch.device) -> str | None:
         return f"it needs a CUDA GPU with FP8 tensor cores (sm89 or newer); the job runs on {device.type}"
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        return f"it needs FP8 tensor cores (sm89 or newer); {torch.cuda.get_device_name(device)} is sm{capability[0]}{capability[1]}"
+        name = torch.cuda.get_device_name(device)
+        return f"it needs FP8 tensor cores (sm89 or newer); {name} is sm{capability[0]}{capability[1]}"
     try:
         import torchao.prototype.moe_training.fp8_grouped_mm  # noqa: F401
     except ImportError as err:

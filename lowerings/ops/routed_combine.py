@@ -1,7 +1,7 @@
 """The MoE's row movement around the routed experts: ``dispatch_rows`` (each token's latent row copied to its
 ``k`` places in expert order) and ``combine_rows`` (each token's ``k`` expert outputs, weighted and summed in
-fp32). ``order`` is the stable argsort of the flat ``[T * k]`` expert choices: expert-ordered row ``i`` belongs
-to token ``order[i] // k``, choice ``order[i] % k``.
+fp32), both on one ``route_rows(order, k)``. ``order`` is the stable argsort of the flat ``[T * k]`` expert
+choices: expert-ordered row ``i`` belongs to token ``order[i] // k``, choice ``order[i] % k``.
 
 Backends (op ``routed_combine``): ``reference`` is the plain torch indexing the model always had (a gather
 whose gradient is an accumulating ``index_put``; an unsorting scatter, an fp32 copy, a product and a sum);
@@ -12,6 +12,8 @@ both backends trace the plain indexing for Inductor to fuse.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -33,27 +35,44 @@ def routing_slots(order: torch.Tensor, top_k: int) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, positions).view(-1, top_k)
 
 
-def dispatch_rows(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
+class RowRouting(NamedTuple):
+    """One MoE forward's routing, shared by its dispatch and combine: ``order`` and ``top_k`` as above, and
+    ``slots`` (``routing_slots``) when the fused ops run, else None."""
+
+    order: torch.Tensor
+    top_k: int
+    slots: torch.Tensor | None
+
+
+def route_rows(order: torch.Tensor, top_k: int) -> RowRouting:
+    """The routing for ``dispatch_rows`` and ``combine_rows``: the slots are computed once, where the fused ops
+    will read them."""
+    return RowRouting(order, top_k, routing_slots(order, top_k) if _fused(order) else None)
+
+
+def dispatch_rows(x: torch.Tensor, routing: RowRouting) -> torch.Tensor:
     """``x [T, L]`` -> ``[T * k, L]``: row ``i`` is ``x[order[i] // k]``."""
+    order, top_k, slots = routing
     if order.shape[0] != x.shape[0] * top_k:
         raise ValueError(f"dispatch_rows: order has {order.shape[0]} entries, expected T * k = "
                          f"{x.shape[0]} * {top_k}")
-    if not _fused(x):
+    if slots is None:
         return x[order // top_k]
-    return routed_dispatch_op(x, order, routing_slots(order, top_k), top_k)
+    return routed_dispatch_op(x, order, slots, top_k)
 
 
-def combine_rows(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine_rows(rows: torch.Tensor, routing: RowRouting, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Expert-ordered ``rows [T * k, L]`` -> ``[T, L]`` in ``dtype``: ``sum_j weights[t, j] row(t, j)`` in fp32."""
+    order, _, slots = routing
     T, k = weights.shape
     if rows.shape[0] != T * k or order.shape[0] != T * k:
         raise ValueError(f"combine_rows: {rows.shape[0]} rows and {order.shape[0]} order entries, expected "
                          f"T * k = {T} * {k} (weights {tuple(weights.shape)})")
-    if not _fused(rows):
+    if slots is None:
         unsorted = torch.empty_like(rows)
         unsorted[order] = rows
         return (weights.unsqueeze(-1) * unsorted.view(T, k, -1).float()).sum(1).to(dtype)
-    return routed_gather_sum_op(rows, routing_slots(order, k), weights, dtype)
+    return routed_gather_sum_op(rows, slots, weights, dtype)
 
 
 # ------------------------------------------------------------------------------------------- the custom ops

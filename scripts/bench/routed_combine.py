@@ -26,10 +26,10 @@ def paths(order, top_k: int, dtype: torch.dtype) -> dict:
     """name -> (dispatch fn, combine fn) under each backend, plus the compiled reference."""
     def backend(name):
         def dispatch(z):
-            return rc.dispatch_rows(z, order, top_k)
+            return rc.dispatch_rows(z, rc.route_rows(order, top_k))
 
         def combine(rows, weights):
-            return rc.combine_rows(rows, order, weights, dtype)
+            return rc.combine_rows(rows, rc.route_rows(order, top_k), weights, dtype)
         return name, dispatch, combine
 
     out = {name: (d, c) for name, d, c in (backend("reference"), backend("triton"))}
@@ -59,7 +59,7 @@ def main() -> int:
     rows = torch.randn(T * k, L, device="cuda", dtype=dtype, requires_grad=True)
     weights = torch.rand(T, k, device="cuda", requires_grad=True)
     cot_rows, cot_out = torch.randn_like(rows), torch.randn_like(z)
-    exact_combine = rc.combine_rows(rows.float(), order, weights, torch.float32)  # reference on fp32 rows
+    exact_combine = rc.combine_rows(rows.float(), rc.route_rows(order, k), weights, torch.float32)  # fp32 rows
     exact_dispatch_grad = rc.routed_gather_sum_op(cot_rows.float(), rc.routing_slots(order, k), None, torch.float32)
 
     saved = resolved_backends()

@@ -25,9 +25,10 @@ from torch.distributed.tensor import DTensor
 
 from lowerings import ops
 from lowerings.autocast import matmul_dtype
+from lowerings.ops.expert_gemm import grouped_mm
 from titan_kimi.models.kimi_k3.head import LMHead
 from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
-from titan_kimi.models.kimi_k3.moe import GroupedExperts, expert_matmul
+from titan_kimi.models.kimi_k3.moe import GroupedExperts
 from titan_kimi.models.kimi_k3.state_dict_adapter import is_adapter_key
 
 
@@ -103,12 +104,12 @@ class LoRAGroupedExperts(_LoRAMixin, GroupedExperts):
         offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
 
         def low_rank(v: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            down = expert_matmul(self.lora_dropout(v), a.transpose(-2, -1), offsets)
-            return expert_matmul(down, b.transpose(-2, -1), offsets) * self.scaling
+            down = grouped_mm(self.lora_dropout(v), a.transpose(-2, -1), offsets)
+            return grouped_mm(down, b.transpose(-2, -1), offsets) * self.scaling
 
-        h = expert_matmul(x, w13.transpose(-2, -1), offsets) + low_rank(x, a13, b13)
+        h = grouped_mm(x, w13.transpose(-2, -1), offsets) + low_rank(x, a13, b13)
         h = ops.situ_glu(h, self.beta, self.beta_lin)
-        return expert_matmul(h, w2.transpose(-2, -1), offsets) + low_rank(h, a2, b2)
+        return grouped_mm(h, w2.transpose(-2, -1), offsets) + low_rank(h, a2, b2)
 
     def merged_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 + scale * B13 A13, w2 + scale * B2 A2)``, expert by expert."""

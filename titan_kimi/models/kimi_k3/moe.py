@@ -101,12 +101,6 @@ class GroupedExperts(nn.Module):
         init_declared(self, GroupedExperts.parameter_init_specs(self))
 
 
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Grouped GEMM in the compute dtype: the rows of expert e (``offsets`` = cumulative row counts) times ``w[e]``
-    ``[E, K, N]`` (the LoRA adapters' low-rank products)."""
-    return grouped_mm(x, w, offsets)
-
-
 def set_routed_expert_gemm(model: nn.Module, precision: str) -> int:
     """Every ``GroupedExperts`` of ``model`` runs its grouped GEMMs at ``precision``; returns how many."""
     row_alignment(precision)  # a ValueError for an unknown precision
@@ -180,9 +174,10 @@ class LatentMoE(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_f)
         counts = counts_f.to(torch.int64)
-        routed = self.experts(ops.dispatch_rows(z, order, self.top_k), counts)
+        routing = ops.route_rows(order, self.top_k)
+        routed = self.experts(ops.dispatch_rows(z, routing), counts)
         # Router weights act after the down-projection, summed in fp32 over the bf16-rounded expert outputs.
-        r = ops.combine_rows(routed, order, weights, x.dtype)
+        r = ops.combine_rows(routed, routing, weights, x.dtype)
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         y = self.routed_expert_up_proj(r) if self.routed_expert_up_proj is not None else r

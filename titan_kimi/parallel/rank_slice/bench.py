@@ -27,7 +27,7 @@ from titan_kimi.parallel.rank_slice.report import markdown_report
 from titan_kimi.parallel.stage_params import compute_dtype
 from titan_kimi.parallel.step_time.describe import settings_from_config
 from titan_kimi.parallel.step_time.estimate import StepTimeModel
-from titan_kimi.parallel.step_time.table import Table, ac_share, geometry_key, merge_entries
+from titan_kimi.parallel.step_time.table import Table, ac_share, geometry_key, measured_settings, merge_entries
 from titan_kimi.training.setup.build import model_args_from_config, tokenizer_from_config, vision_args_from_config
 from titan_kimi.training.setup.kernels import check_routed_expert_gemm, configure_kernels
 
@@ -336,7 +336,7 @@ class RankSliceBench:
                 continue
             record = {"tokens": e.tokens, "rows": e.rows,
                       "ac": ac if e.kind == "block" else 0.0, "load": e.load or "balanced",
-                      "compile": self.cfg.compile.mode, "expert_gemm": self.cfg.training.routed_expert_gemm,
+                      **measured_settings(self.cfg),
                       "forward_ms": e.forward_ms, "backward_ms": e.backward_ms, "forward_flops": e.flops.forward,
                       "backward_flops": e.flops.backward, "saved_gib": e.saved_gib, "peak_gib": e.peak_gib, **stamp}
             table = merge_entries(table, geometry, section, e.name if e.kind == "block" else e.kind, record,

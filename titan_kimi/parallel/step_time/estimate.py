@@ -32,7 +32,8 @@ from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
 from titan_kimi.parallel.step_time.schedules import (StageTimes, Timeline, peak_in_flight, rank_orders, simulate,
                                                      uses_split_backward)
 from titan_kimi.parallel.step_time.stage_work import StageWork, stage_work
-from titan_kimi.parallel.step_time.table import MEASURED_UNDER, Table, ac_share, geometry_key
+from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, geometry_key,
+                                                 measured_settings)
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the optimizer step's bound when no measured time per parameter exists
 OPTIMIZER_BYTES = 16  # per bf16 parameter: read weight, gradient, 2 moments; write weight, 2 moments (+ slack)
@@ -65,11 +66,6 @@ class StepEstimate:
     @property
     def dominant(self) -> str:
         return max(self.terms, key=self.terms.get)
-
-
-def _config_value(cfg, key: str) -> str:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
 
 
 def _scaled(f: LayerFlops, factor: float) -> LayerFlops:
@@ -168,11 +164,13 @@ class StepTimeModel:
         notes: list[str] = []
         _, load = self.load_factor(ep)
 
+        settings = measured_settings(self.cfg)
+
         def lookup(section: str, kind: str, t: int, flops: LayerFlops, ac: float):
             # the CP ranks share a microbatch's work evenly (zigzag), except the vision tower: each runs it whole
             f = _scaled(flops, 1.0 if section == "vision" else 1.0 / cp)
             got = self.s.table.time_ms(self.geometry, section, kind, t, f.forward, f.backward, ac, load,
-                                       self.cfg.compile.mode, self.cfg.training.routed_expert_gemm)
+                                       settings)
             if got is None:
                 rate = self.s.fallback_mfu * self.s.peak_flops
                 got = (f.forward / rate * 1e3, f.backward / rate * 1e3 + ac * f.forward / rate * 1e3)
@@ -313,10 +311,10 @@ class StepTimeModel:
         source = (f"measured ({self.s.table.path.name}, {self.s.table.hardware})" if not notes else
                   f"FLOP-rate fallback at {self.s.fallback_mfu:.0%} of peak for {sorted(set(notes))} "
                   f"({self.s.table.missing or 'not in the table'}): not measured")
-        for key, (config_key, _) in MEASURED_UNDER.items():
-            measured, wanted = self.s.table.measured_under(self.geometry, key), _config_value(cfg, config_key)
+        for key, wanted in measured_settings(cfg).items():
+            measured = self.s.table.measured_under(self.geometry, key)
             if measured and wanted not in measured:
-                source += (f"; the table's layer times were measured under {config_key} "
+                source += (f"; the table's layer times were measured under {MEASURED_UNDER[key][0]} "
                            f"{' / '.join(sorted(measured))}, not this config's {wanted}")
         p = cfg.parallelism
         fsdp = ", ".join(x for x in (f"reshard_after_forward {p.fsdp_reshard_after_forward}"

@@ -16,7 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 
@@ -44,6 +44,15 @@ def ac_share(mode: str, option: str = "op") -> float:
 # The settings each entry records beside its times (a record without one ran under the default), by record key:
 # the config key it was measured under and that key's default.
 MEASURED_UNDER = {"compile": ("compile.mode", "none"), "expert_gemm": ("training.routed_expert_gemm", "default")}
+
+
+def measured_settings(cfg: Any) -> dict[str, str]:
+    """A job config's values of the MEASURED_UNDER settings, by record key."""
+    out = {}
+    for key, (config_key, _) in MEASURED_UNDER.items():
+        section, name = config_key.split(".")
+        out[key] = getattr(getattr(cfg, section), name)
+    return out
 
 
 @dataclass(frozen=True)
@@ -109,15 +118,19 @@ class Table:
                 for rows in section.values() for r in rows} if self.data else set()
 
     def time_ms(self, geometry: str, section: str, kind: str, tokens: int, forward_flops: float,
-                backward_flops: float, ac: float, load: str = "balanced", compile_mode: str = "none",
-                expert_gemm: str = "default") -> tuple[float, float] | None:
+                backward_flops: float, ac: float, load: str = "balanced",
+                settings: Mapping[str, str] | None = None) -> tuple[float, float] | None:
         """(forward ms, backward ms incl. ``ac`` recomputed forwards) of ``kind`` at ``tokens`` with these
-        FLOPs, from the rates measured nearest in tokens under ``compile_mode`` and ``expert_gemm`` (else under
-        the compile mode alone, else any) and load ``load`` (else balanced); None if the kind was never measured
-        for this geometry."""
+        FLOPs, from the rates measured nearest in tokens under ``settings`` (``measured_settings``; missing ones
+        at their defaults: the entries matching all of them, else the first ones of MEASURED_UNDER, else any) and
+        load ``load`` (else balanced); None if the kind was never measured for this geometry."""
         found = self.entries(geometry, section, kind)
-        found = ([m for m in found if m.compile == compile_mode and m.expert_gemm == expert_gemm]
-                 or [m for m in found if m.compile == compile_mode] or found)
+        wanted = [(k, (settings or {}).get(k, default)) for k, (_, default) in MEASURED_UNDER.items()]
+        for n in range(len(wanted), 0, -1):
+            matching = [m for m in found if all(getattr(m, k) == v for k, v in wanted[:n])]
+            if matching:
+                found = matching
+                break
         chosen = [m for m in found if m.load == load] or [m for m in found if m.load == "balanced"] or found
         if not chosen:
             return None
