@@ -42,6 +42,14 @@ BACKEND_OPS: dict[str, OpEntry] = {
         "way, where the MoE runs eager (under expert parallelism, or compile off); reference = plain torch "
         "indexing; inside a compiled MoE both trace the plain indexing for Inductor to fuse; auto = triton on CUDA",
         ("reference", "triton")),
+    "router_logits": OpEntry(
+        "the MoE router's fp32 logits x @ gate^T: tensor_core = bf16 tensor-core GEMMs accumulating and writing "
+        "fp32 (the products of bf16 numbers are exact in fp32), the reduction in 256-column slices summed in fp32 "
+        "(the tensor cores' accumulation error grows with its length), its backward's fp32 gradient split into two "
+        "bf16 halves (about 2^-17 relative) for one such GEMM per gradient; calls whose x and gate are not both bf16 "
+        "CUDA tensors run the reference; reference = the plain fp32 matmul (a SIMT sgemm on CUDA); auto = "
+        "tensor_core on CUDA",
+        ("reference", "tensor_core")),
     "attn_res_mix": OpEntry("attention-residual mix backend", ("reference", "triton")),
     "linear_cross_entropy": OpEntry(
         "lm_head + cross-entropy backend",

@@ -10,6 +10,7 @@ from lowerings.ops.kda_cp import kda_context_parallel
 from lowerings.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from lowerings.ops.registry import configure_backends, known_ops, op_backends, selected_backend
 from lowerings.ops.routed_combine import combine_rows, dispatch_rows, route_rows
+from lowerings.ops.router_logits import router_logits
 from lowerings.ops.situ_glu import situ_glu
 from lowerings.ops.sparse_mla import sparse_mla
 
@@ -30,6 +31,7 @@ __all__ = [
     "known_ops",
     "linear_cross_entropy",
     "route_rows",
+    "router_logits",
     "op_backends",
     "selected_backend",
     "selected_mass",
