@@ -36,7 +36,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, D]`` -> routing weights ``[T, k]`` (fp32) and expert indices ``[T, k]``."""
-        logits = x.float() @ linear_weight(self.gate).float().t()
+        logits = ops.router_logits(x, linear_weight(self.gate))
         scores = torch.sigmoid(logits) if self.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores.detach() + self.e_score_correction_bias.float()
         if self.num_groups > 1 and self.topk_groups < self.num_groups:
