@@ -202,14 +202,15 @@ def test_latent_moe_through_the_custom_ops_matches_the_indexing(monkeypatch):
         assert rel_err(ours, ref) < 1e-6
 
 
-def moe_results_per_backend(moe, x: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-    """routed_combine backend -> the MoE's output, input gradient and every parameter gradient for one cotangent."""
+def moe_results_per_backend(moe, x: torch.Tensor, op: str = "routed_combine",
+                            backends: tuple[str, ...] = ("reference", "triton")) -> dict[str, list[torch.Tensor]]:
+    """``op``'s backend -> the MoE's output, input gradient and every parameter gradient for one cotangent."""
     cot = torch.randn_like(x)
     saved = resolved_backends()
     results = {}
     try:
-        for backend in ("reference", "triton"):
-            install_backends(saved.replaced({"routed_combine": backend}))
+        for backend in backends:
+            install_backends(saved.replaced({op: backend}))
             xi = x.clone().requires_grad_()
             moe.zero_grad(set_to_none=True)
             out = moe(xi)
