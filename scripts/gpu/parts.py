@@ -320,6 +320,10 @@ def op_routed_combine(r: Runner, folder: Path) -> None:
     checked_script(r, folder, "routed_combine", "scripts/bench/routed_combine.py", timeout=120)
 
 
+def op_router_logits(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "router_logits", "scripts/bench/router_logits.py", timeout=120)
+
+
 FLASH_BUILD_RC = Path("/tmp/flash_build.rc")
 
 
@@ -471,6 +475,9 @@ def single_gpu_parts() -> list[Part]:
              op_moe_alignment),
         Part("op_routed_combine", "the MoE's dispatch and combine rows at k31.toml's rank shape: plain torch indexing "
                                   "(eager, compiled) against the gather-sum kernels", op_routed_combine),
+        Part("op_router_logits", "the MoE router's fp32 logits at k31.toml's shape: the fp32 matmul (eager, compiled) "
+                                 "against the bf16 tensor-core op, and each one's error against fp64",
+             op_router_logits),
         Part("flash_mla_build", "build FlashMLA's sm90 sparse forward in the background (for op_sparse_attention "
                                 "and the flash_mla tests)", flash_mla_build),
         Part("resume_exactness", "k3_small 20 steps straight (cold, warm) vs 10 + resume + 10 (warm, cold caches)",
@@ -493,4 +500,5 @@ def single_gpu_parts() -> list[Part]:
 
 
 GROUPS = {"ops": ["op_loss_optimizer", "op_causal_attention", "op_kda", "op_fused", "op_sparse_attention",
-                  "op_dsa_layer", "op_cp_dsa_layer", "op_moe_alignment", "op_routed_combine"]}
+                  "op_dsa_layer", "op_cp_dsa_layer", "op_moe_alignment", "op_routed_combine",
+                  "op_router_logits"]}
