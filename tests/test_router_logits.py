@@ -165,6 +165,26 @@ def test_router_is_unchanged_on_cpu(monkeypatch, dtype):
         assert all(torch.equal(a, b) for a, b in zip(ours, inline))
 
 
+def test_under_autocast_the_logits_are_fp32_sums_of_the_compute_dtype_operands():
+    """Autocast (one device's fp32 master weights with bf16 compute) would run the formula's matmul in bf16 and
+    return bf16 logits. The op casts both operands to autocast's dtype, as FSDP's param_dtype hands the weight
+    over, and sums in fp32: the logits an FSDP mixed-precision run computes."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(29, 96, generator=g, requires_grad=True)
+    w = (torch.randn(12, 96, generator=g) * 96 ** -0.5).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = ops.router_logits(x, w)
+        plain = x.float() @ w.float().t()
+    assert plain.dtype == torch.bfloat16  # what autocast makes of the formula
+    assert ours.dtype == torch.float32
+    as_fsdp = x.detach().bfloat16().float() @ w.detach().bfloat16().float().t()
+    truth64 = x.detach().bfloat16().double() @ w.detach().bfloat16().double().t()
+    assert torch.equal(ours, as_fsdp)
+    assert rel_err(ours, truth64) < 1e-6 < rel_err(plain, truth64)
+    ours.sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32  # the master weight's gradient in its own dtype
+
+
 def test_router_with_a_lora_gate_through_the_op(monkeypatch):
     """A LoRA-adapted gate (its merged weight, base frozen) in bf16 through the op (its CPU body): the routing
     weights and the factors' and input's gradients match the formula's."""

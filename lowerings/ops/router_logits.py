@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from lowerings.autocast import matmul_dtype
 from lowerings.ops.registry import cuda_available, on_cuda, op_backends, selected_backend
 
 BACKENDS = op_backends("router_logits")
@@ -39,10 +40,23 @@ def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [T, D]``, ``weight [E, D]`` -> fp32 logits ``[T, E]``."""
+    """``x [T, D]``, ``weight [E, D]`` -> fp32 logits ``[T, E]``.
+
+    Under autocast (one device's stand-in for FSDP's ``param_dtype``: fp32 master weights, bf16 compute) both
+    operands are first cast to autocast's dtype, as FSDP would hand the weight over, and the product is summed in
+    fp32 with autocast off: autocast would otherwise run the formula's matmul in bf16 and return bf16 logits."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router_logits needs x [T, D] and weight [E, D], got x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)}")
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = matmul_dtype(x)
+        with torch.autocast(device, enabled=False):
+            return _fp32_logits(x.to(dtype), weight.to(dtype))
+    return _fp32_logits(x, weight)
+
+
+def _fp32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if _fused(x, weight):
         return router_logits_op(x, weight)
     return router_logits_reference(x, weight)
