@@ -10,3 +10,12 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The operands of a matmul a custom op computes (autocast does not see into it), cast as autocast casts a
+    matmul's when it is on for the first one's device (fp32 master weights with bf16 compute); else unchanged."""
+    if not torch.is_autocast_enabled(tensors[0].device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(tensors[0].device.type)
+    return tuple(t.to(dtype) for t in tensors)

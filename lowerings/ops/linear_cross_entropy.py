@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lowerings.autocast import matmul_dtype
+from lowerings.autocast import autocast_operands
 from lowerings.ops.linear_cross_entropy_reference import IGNORE_INDEX, linear_cross_entropy_reference
 from lowerings.ops.registry import all_of, cuda_available, module_available, on_cuda, op_backends, selected_backend
 
@@ -106,11 +106,7 @@ def linear_cross_entropy(
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} disagree on the hidden size")
     normalizer = torch.as_tensor(normalizer, dtype=torch.float32, device=hidden.device).clamp(min=1)
-    if torch.is_autocast_enabled(hidden.device.type):
-        # A custom op is not autocast-aware: cast both operands as autocast casts a matmul's (fp32 master weights
-        # with bf16 compute), so the fused backends see one half-precision dtype.
-        dtype = matmul_dtype(hidden)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    hidden, weight = autocast_operands(hidden, weight)  # the fused backends see one half-precision dtype
     grads = torch.is_grad_enabled()
     loss_sum, _, _ = linear_cross_entropy_op(
         hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk_size,

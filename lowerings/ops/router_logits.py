@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lowerings.autocast import matmul_dtype
+from lowerings.autocast import autocast_operands
 from lowerings.ops.registry import cuda_available, on_cuda, op_backends, selected_backend
 
 BACKENDS = op_backends("router_logits")
@@ -36,27 +36,20 @@ def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.float() @ weight.float().t()
+    with torch.autocast(x.device.type, enabled=False):  # the spec's fp32 matmul: autocast would run it in bf16
+        return x.float() @ weight.float().t()
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [T, D]``, ``weight [E, D]`` -> fp32 logits ``[T, E]``.
 
     Under autocast (one device's stand-in for FSDP's ``param_dtype``: fp32 master weights, bf16 compute) both
-    operands are first cast to autocast's dtype, as FSDP would hand the weight over, and the product is summed in
-    fp32 with autocast off: autocast would otherwise run the formula's matmul in bf16 and return bf16 logits."""
+    operands are first cast to autocast's dtype, as FSDP would hand the weight over; the product is summed in fp32
+    either way."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"router_logits needs x [T, D] and weight [E, D], got x {tuple(x.shape)} and weight "
                          f"{tuple(weight.shape)}")
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = matmul_dtype(x)
-        with torch.autocast(device, enabled=False):
-            return _fp32_logits(x.to(dtype), weight.to(dtype))
-    return _fp32_logits(x, weight)
-
-
-def _fp32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    x, weight = autocast_operands(x, weight)
     if _fused(x, weight):
         return router_logits_op(x, weight)
     return router_logits_reference(x, weight)
