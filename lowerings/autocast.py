@@ -1,4 +1,5 @@
-"""What autocast would do for a matmul, for the ops it does not see (custom ops, grouped GEMMs)."""
+"""What autocast would do for a matmul, for the ops it does not see (custom ops, grouped GEMMs), and turning it off
+inside a custom op's body."""
 
 from __future__ import annotations
 
@@ -19,3 +20,10 @@ def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
     dtype = torch.get_autocast_dtype(tensors[0].device.type)
     return tuple(t.to(dtype) for t in tensors)
+
+
+def autocast_off(x: torch.Tensor) -> torch.autocast:
+    """For the body of a custom op: autocast off on ``x``'s device, so the body computes in the precision it was
+    written for (the op decides its own). Autocast does not cast a custom op's inputs, but its state stays on
+    inside the body, where it would run a reference's fp32 matmuls in bf16."""
+    return torch.autocast(x.device.type, enabled=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from lowerings.autocast import autocast_off
 from lowerings.ops.registry import cuda_available, op_backends, selected_backend, triton_ops_enabled
 
 BACKENDS = op_backends("attn_res_mix")
@@ -62,11 +63,12 @@ def attn_res_mix_reference_backward(
 def attn_res_mix_op(
     bank: torch.Tensor, partial: torch.Tensor, norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    if _triton(partial):
-        from lowerings.kernels.attn_res_mix import attn_res_mix_forward
+    with autocast_off(partial):  # the op sets its own precision (the reference: fp32)
+        if _triton(partial):
+            from lowerings.kernels.attn_res_mix import attn_res_mix_forward
 
-        return attn_res_mix_forward(bank, partial, norm_weight, proj_weight, eps)
-    return attn_res_mix_reference(bank, partial, norm_weight, proj_weight, eps)
+            return attn_res_mix_forward(bank, partial, norm_weight, proj_weight, eps)
+        return attn_res_mix_reference(bank, partial, norm_weight, proj_weight, eps)
 
 
 @attn_res_mix_op.register_fake
@@ -84,11 +86,13 @@ def attn_res_mix_backward_op(
     eps: float,
 ) -> list[torch.Tensor]:
     """Gradients for (bank, partial, norm_weight, proj_weight)."""
-    if _triton(partial):
-        from lowerings.kernels.attn_res_mix import attn_res_mix_backward
+    with autocast_off(partial):
+        if _triton(partial):
+            from lowerings.kernels.attn_res_mix import attn_res_mix_backward
 
-        return list(attn_res_mix_backward(grad, bank, partial, norm_weight, proj_weight, eps))
-    return [x.contiguous() for x in attn_res_mix_reference_backward(grad, bank, partial, norm_weight, proj_weight, eps)]
+            return list(attn_res_mix_backward(grad, bank, partial, norm_weight, proj_weight, eps))
+        grads = attn_res_mix_reference_backward(grad, bank, partial, norm_weight, proj_weight, eps)
+        return [x.contiguous() for x in grads]
 
 
 @attn_res_mix_backward_op.register_fake

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from lowerings.autocast import autocast_off
 from lowerings.ops.indexer_kl_reference import (attention_lse_reference, dense_kl_backward_reference,
                                                 dense_kl_reference, normalise, row_kl, row_kl_score_grad,
                                                 scores_at_backward_reference, scores_at_reference,
@@ -40,11 +41,12 @@ def _triton(t: torch.Tensor) -> bool:
 @torch.library.custom_op("titan_kimi::indexer_sparse_target", mutates_args=())
 def sparse_target_op(q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, idx: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    if _triton(q):
-        from lowerings.kernels.indexer_kl import sparse_target
+    with autocast_off(q):  # the op sets its own precision (the references: fp32)
+        if _triton(q):
+            from lowerings.kernels.indexer_kl import sparse_target
 
-        return sparse_target(q, kv, lse, idx, scale)
-    return sparse_target_reference(q, kv, lse, idx, scale)
+            return sparse_target(q, kv, lse, idx, scale)
+        return sparse_target_reference(q, kv, lse, idx, scale)
 
 
 @sparse_target_op.register_fake
@@ -55,11 +57,12 @@ def _(q, kv, lse, idx, scale):
 @torch.library.custom_op("titan_kimi::indexer_scores_at", mutates_args=())
 def scores_at_op(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, idx: torch.Tensor,
                  index_scale: float) -> torch.Tensor:
-    if _triton(iq):
-        from lowerings.kernels.indexer_kl import scores_at
+    with autocast_off(iq):
+        if _triton(iq):
+            from lowerings.kernels.indexer_kl import scores_at
 
-        return scores_at(iq, ik, iw, idx, index_scale)
-    return scores_at_reference(iq, ik, iw, idx, index_scale)
+            return scores_at(iq, ik, iw, idx, index_scale)
+        return scores_at_reference(iq, ik, iw, idx, index_scale)
 
 
 @scores_at_op.register_fake
@@ -70,11 +73,12 @@ def _(iq, ik, iw, idx, index_scale):
 @torch.library.custom_op("titan_kimi::indexer_scores_at_backward", mutates_args=())
 def scores_at_backward_op(d_scores: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor,
                           idx: torch.Tensor, index_scale: float) -> list[torch.Tensor]:
-    if _triton(iq):
-        from lowerings.kernels.indexer_kl import scores_at_backward
+    with autocast_off(iq):
+        if _triton(iq):
+            from lowerings.kernels.indexer_kl import scores_at_backward
 
-        return _as_dtypes(scores_at_backward(d_scores, iq, ik, iw, idx, index_scale), (iq, ik, iw))
-    return list(scores_at_backward_reference(d_scores, iq, ik, iw, idx, index_scale))
+            return _as_dtypes(scores_at_backward(d_scores, iq, ik, iw, idx, index_scale), (iq, ik, iw))
+        return list(scores_at_backward_reference(d_scores, iq, ik, iw, idx, index_scale))
 
 
 @scores_at_backward_op.register_fake
@@ -105,13 +109,14 @@ def sparse_mla_backward_with_target_op(d_out: torch.Tensor, q: torch.Tensor, kv:
     """[dq, dkv, target p [T,k] fp32] (``sparse_target`` of the forward's lse). The Triton backward sums its
     recomputed probabilities over the heads on chip; the other backward kernels leave the target to
     ``indexer_sparse_target``."""
-    if backward_kernel(selected_backend("sparse_mla"), q, kv, idx, d_v) == "triton":
-        from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
+    with autocast_off(q):
+        if backward_kernel(selected_backend("sparse_mla"), q, kv, idx, d_v) == "triton":
+            from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
 
-        dq, dkv, mass = sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v, head_mass=True)
-        return [dq, dkv, normalise(mass)]
-    dq, dkv = sparse_mla_backward_op(d_out, q, kv, idx, out, lse, scale, d_v)
-    return [dq, dkv, sparse_target_op(q, kv, lse, idx, scale)]
+            dq, dkv, mass = sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v, head_mass=True)
+            return [dq, dkv, normalise(mass)]
+        dq, dkv = sparse_mla_backward_op(d_out, q, kv, idx, out, lse, scale, d_v)
+        return [dq, dkv, sparse_target_op(q, kv, lse, idx, scale)]
 
 
 @sparse_mla_backward_with_target_op.register_fake
@@ -122,7 +127,8 @@ def _(d_out, q, kv, idx, out, lse, scale, d_v):
 @torch.library.custom_op("titan_kimi::sparse_mla_distilled", mutates_args=())
 def sparse_mla_distilled_op(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scores: torch.Tensor,
                             weight: torch.Tensor, scale: float, d_v: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_by_backend(q, kv, idx, scale, d_v)
+    with autocast_off(q):
+        return forward_by_backend(q, kv, idx, scale, d_v)
 
 
 @sparse_mla_distilled_op.register_fake
@@ -153,11 +159,12 @@ torch.library.register_autograd("titan_kimi::sparse_mla_distilled", _distilled_b
 @torch.library.custom_op("titan_kimi::attention_lse", mutates_args=())
 def attention_lse_op(q: torch.Tensor, kv: torch.Tensor, seg_start: torch.Tensor, scale: float,
                      q_offset: int = 0) -> torch.Tensor:
-    if _triton(q):
-        from lowerings.kernels.indexer_kl import attention_lse as triton_attention_lse
+    with autocast_off(q):
+        if _triton(q):
+            from lowerings.kernels.indexer_kl import attention_lse as triton_attention_lse
 
-        return triton_attention_lse(q, kv, seg_start, scale, q_offset)
-    return attention_lse_reference(q, kv, seg_start, scale, q_offset)
+            return triton_attention_lse(q, kv, seg_start, scale, q_offset)
+        return attention_lse_reference(q, kv, seg_start, scale, q_offset)
 
 
 @attention_lse_op.register_fake
@@ -170,11 +177,12 @@ def dense_kl_op(iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor, q: torch.T
                 lse: torch.Tensor, seg_start: torch.Tensor, q_offset: int, index_scale: float,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(KL [T], stats [T, 2]: the LSE of the indexer's scores and the target's total mass, for the backward)."""
-    if _triton(q):
-        from lowerings.kernels.indexer_kl import dense_kl
+    with autocast_off(q):
+        if _triton(q):
+            from lowerings.kernels.indexer_kl import dense_kl
 
-        return dense_kl(iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale)
-    return dense_kl_reference(iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale)
+            return dense_kl(iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale)
+        return dense_kl_reference(iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale)
 
 
 @dense_kl_op.register_fake
@@ -186,12 +194,13 @@ def _(iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale):
 def dense_kl_backward_op(grad: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, iw: torch.Tensor,
                          q: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor, seg_start: torch.Tensor,
                          stats: torch.Tensor, q_offset: int, index_scale: float, scale: float) -> list[torch.Tensor]:
-    if _triton(q):
-        from lowerings.kernels.indexer_kl import dense_kl_backward
+    with autocast_off(q):
+        if _triton(q):
+            from lowerings.kernels.indexer_kl import dense_kl_backward
 
-        grads = dense_kl_backward(grad, iq, ik, iw, q, kv, lse, seg_start, stats, q_offset, index_scale, scale)
-        return _as_dtypes(grads, (iq, ik, iw))
-    return list(dense_kl_backward_reference(grad, iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale))
+            grads = dense_kl_backward(grad, iq, ik, iw, q, kv, lse, seg_start, stats, q_offset, index_scale, scale)
+            return _as_dtypes(grads, (iq, ik, iw))
+        return list(dense_kl_backward_reference(grad, iq, ik, iw, q, kv, lse, seg_start, q_offset, index_scale, scale))
 
 
 @dense_kl_backward_op.register_fake

@@ -8,6 +8,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from lowerings.autocast import autocast_off
 from lowerings.ops.registry import cuda_available, op_backends, selected_backend
 
 
@@ -120,15 +121,16 @@ def indexer_topk_op(
     q_offset: int = 0, cu_seqlens: torch.Tensor | None = None, max_seqlen: int = 0,
 ) -> torch.Tensor:
     kernel = forward_kernel(selected_backend("indexer_topk"), q, k, w, topk)
-    if kernel == "cudnn":
-        from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk
+    with autocast_off(q):  # the op sets its own precision (the reference: fp32 scores)
+        if kernel == "cudnn":
+            from lowerings.kernels.cudnn_indexer_topk import cudnn_indexer_topk
 
-        return cudnn_indexer_topk(q, k, w, seg_start, topk, scale, q_offset, cu_seqlens, max_seqlen)
-    if kernel == "triton":
-        from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
+            return cudnn_indexer_topk(q, k, w, seg_start, topk, scale, q_offset, cu_seqlens, max_seqlen)
+        if kernel == "triton":
+            from lowerings.kernels.indexer_topk import indexer_topk as triton_indexer_topk
 
-        return triton_indexer_topk(q, k, w, seg_start, topk, scale, q_offset=q_offset)
-    return indexer_topk_reference(q, k, w, seg_start, topk, scale, q_offset)
+            return triton_indexer_topk(q, k, w, seg_start, topk, scale, q_offset=q_offset)
+        return indexer_topk_reference(q, k, w, seg_start, topk, scale, q_offset)
 
 
 @indexer_topk_op.register_fake

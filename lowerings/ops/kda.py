@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from lowerings.autocast import autocast_off
 from lowerings.ops.kda_reference import kda_reference
 from lowerings.ops.registry import (all_of, cuda_available, module_available, on_cuda, op_backends,
                                     selected_backend)
@@ -102,16 +103,17 @@ def kda_op(
     l2norm_qk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     args = (q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state, output_final_state, l2norm_qk)
-    if _use_fla(q):
-        from lowerings.kernels.fla_kda import fla_kda_forward
+    with autocast_off(q):  # the op sets its own precision (the reference: fp32)
+        if _use_fla(q):
+            from lowerings.kernels.fla_kda import fla_kda_forward
 
-        return fla_kda_forward(*args)
-    if _use_cudnn(q):
-        from lowerings.kernels.cudnn_kda import cudnn_kda_forward
+            return fla_kda_forward(*args)
+        if _use_cudnn(q):
+            from lowerings.kernels.cudnn_kda import cudnn_kda_forward
 
-        return cudnn_kda_forward(*args)
-    o, final = kda_reference(*args)
-    return o, final, []
+            return cudnn_kda_forward(*args)
+        o, final = kda_reference(*args)
+        return o, final, []
 
 
 @kda_op.register_fake
@@ -153,15 +155,16 @@ def kda_backward_op(
     """Gradients for (q, k, v, g, beta) followed by those of the optional inputs that are present."""
     args = (d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state,
             output_final_state, l2norm_qk)
-    if _use_fla(q):
-        from lowerings.kernels.fla_kda import fla_kda_backward
+    with autocast_off(q):
+        if _use_fla(q):
+            from lowerings.kernels.fla_kda import fla_kda_backward
 
-        return fla_kda_backward(*args, residuals)
-    if _use_cudnn(q):
-        from lowerings.kernels.cudnn_kda import cudnn_kda_backward
+            return fla_kda_backward(*args, residuals)
+        if _use_cudnn(q):
+            from lowerings.kernels.cudnn_kda import cudnn_kda_backward
 
-        return cudnn_kda_backward(*args, residuals)
-    return _reference_backward(*args)
+            return cudnn_kda_backward(*args, residuals)
+        return _reference_backward(*args)
 
 
 @kda_backward_op.register_fake

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lowerings.autocast import autocast_off
 from lowerings.ops.kda import BACKENDS, _use_fla, check_shapes
 from lowerings.ops.kda_reference import kda_rows_reference
 from lowerings.ops.sequence_shards import (all_gather_autograd, check_layout, chunk_slots, local_positions,
@@ -108,8 +109,9 @@ def kda_cp_op(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     from lowerings.kernels.fla_kda_cp import fla_kda_cp_forward
 
-    return fla_kda_cp_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, _group(group_name),
-                              layout)
+    with autocast_off(q):  # the op sets its own precision
+        return fla_kda_cp_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens,
+                                  _group(group_name), layout)
 
 
 @kda_cp_op.register_fake
@@ -137,8 +139,9 @@ def kda_cp_backward_op(
     """Gradients for (q, k, v, g, beta, A_log) and dt_bias when present."""
     from lowerings.kernels.fla_kda_cp import fla_kda_cp_backward
 
-    return fla_kda_cp_backward(d_o, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens,
-                               _group(group_name), layout, residuals)
+    with autocast_off(q):
+        return fla_kda_cp_backward(d_o, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens,
+                                   _group(group_name), layout, residuals)
 
 
 @kda_cp_backward_op.register_fake
@@ -203,9 +206,12 @@ def kda_context_parallel(
         o, _ = kda_cp_op(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens.to(torch.int32),
                          group.group_name, layout)
         return o
-    return kda_context_parallel_reference(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
-                                          lower_bound=lower_bound, l2norm_qk=l2norm_qk, seg_start=seg_start,
-                                          group=group, layout=layout)
+    # Not a custom op, but the same fp32 recurrence as kda's reference, which sets its own precision: autocast
+    # would run its matmuls in bf16.
+    with autocast_off(q):
+        return kda_context_parallel_reference(q, k, v, g, beta, scale=scale, A_log=A_log, dt_bias=dt_bias,
+                                              lower_bound=lower_bound, l2norm_qk=l2norm_qk, seg_start=seg_start,
+                                              group=group, layout=layout)
 
 
 __all__ = ["BACKENDS", "kda_context_parallel", "kda_context_parallel_reference"]

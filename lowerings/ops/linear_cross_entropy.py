@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lowerings.autocast import autocast_operands
+from lowerings.autocast import autocast_off, autocast_operands
 from lowerings.ops.linear_cross_entropy_reference import IGNORE_INDEX, linear_cross_entropy_reference
 from lowerings.ops.registry import all_of, cuda_available, module_available, on_cuda, op_backends, selected_backend
 
@@ -51,7 +51,7 @@ def linear_cross_entropy_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The backends choose their own precision (bf16 GEMMs, fp32 softmax): autocast (whose casts the wrapper has
     # already applied to the operands) must not recast their inner matmuls.
-    with torch.autocast(hidden.device.type, enabled=False):
+    with autocast_off(hidden):
         loss, d_hidden, d_weight = _run_backend(hidden, weight, labels, chunk_size, grad_hidden, grad_weight)
     # Contiguous whatever the inputs' strides, as the fake says (compiled graphs check output strides).
     return (loss,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from lowerings.autocast import autocast_operands
+from lowerings.autocast import autocast_off, autocast_operands
 from lowerings.ops.registry import cuda_available, on_cuda, op_backends, selected_backend
 
 BACKENDS = op_backends("router_logits")
@@ -36,7 +36,7 @@ def _fused(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def router_logits_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    with torch.autocast(x.device.type, enabled=False):  # the spec's fp32 matmul: autocast would run it in bf16
+    with autocast_off(x):  # the spec's fp32 matmul: autocast would run it in bf16
         return x.float() @ weight.float().t()
 
 
@@ -119,7 +119,7 @@ def split_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gr
 @torch.library.custom_op("titan_kimi::router_logits", mutates_args=())
 def router_logits_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 ``x @ weight.t()`` of bf16 ``x [T, D]`` and ``weight [E, D]``."""
-    with torch.autocast(x.device.type, enabled=False):  # the op sets its own precision
+    with autocast_off(x):  # the op sets its own precision
         return logits_fp32(x, weight)
 
 
@@ -132,7 +132,7 @@ def _(x, weight):
 def router_logits_backward_op(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, grad_x: bool,
                               grad_weight: bool) -> list[torch.Tensor]:
     """``[dx, dw]`` in the dtypes of ``x`` and ``weight``; a gradient not asked for is an empty tensor."""
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x):
         dx, dw = split_backward(grad, x, weight, grad_x, grad_weight)
     return [dx.to(x.dtype) if grad_x else x.new_empty(_EMPTY),
             dw.to(weight.dtype) if grad_weight else weight.new_empty(_EMPTY)]

@@ -8,6 +8,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from lowerings.autocast import autocast_off
 from lowerings.ops.registry import cuda_available, op_backends, selected_backend
 
 BACKENDS = op_backends("sparse_mla")
@@ -159,7 +160,8 @@ def forward_by_backend(q, kv, idx, scale, d_v):
 def sparse_mla_op(
     q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float, d_v: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_by_backend(q, kv, idx, scale, d_v)
+    with autocast_off(q):  # the op sets its own precision (the reference and dense forms: fp32)
+        return forward_by_backend(q, kv, idx, scale, d_v)
 
 
 @sparse_mla_op.register_fake
@@ -181,18 +183,19 @@ def sparse_mla_backward_op(
 ) -> list[torch.Tensor]:
     """Gradients for (q, kv). Fused backends reuse ``out`` and ``lse``; the reference recomputes."""
     kernel = backward_kernel(selected_backend("sparse_mla"), q, kv, idx, d_v)
-    if kernel == "cudnn":
-        from lowerings.kernels.cudnn_sparse_mla_bwd import cudnn_sparse_mla_backward
+    with autocast_off(q):
+        if kernel == "cudnn":
+            from lowerings.kernels.cudnn_sparse_mla_bwd import cudnn_sparse_mla_backward
 
-        return list(cudnn_sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))
-    if kernel == "triton":  # also flash_mla's backward (FlashMLA has none): ours reads its out and lse
-        from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
+            return list(cudnn_sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))
+        if kernel == "triton":  # also flash_mla's backward (FlashMLA has none): ours reads its out and lse
+            from lowerings.kernels.sparse_mla_bwd import sparse_mla_backward
 
-        return list(sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))
-    forward = sparse_mla_dense if kernel == "dense" else sparse_mla_reference
-    with torch.enable_grad():
-        _, vjp = torch.func.vjp(lambda q_, kv_: forward(q_, kv_, idx, scale, d_v)[0], q, kv)
-    return [g.contiguous() for g in vjp(d_out)]
+            return list(sparse_mla_backward(d_out, q, kv, idx, out, lse, scale, d_v))
+        forward = sparse_mla_dense if kernel == "dense" else sparse_mla_reference
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(lambda q_, kv_: forward(q_, kv_, idx, scale, d_v)[0], q, kv)
+        return [g.contiguous() for g in vjp(d_out)]
 
 
 @sparse_mla_backward_op.register_fake
