@@ -31,7 +31,7 @@ from titan_kimi.parallel.stage_params import (StageParams, compute_dtype, count_
 from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
 from titan_kimi.parallel.step_time.schedules import (StageTimes, Timeline, peak_in_flight, rank_orders, simulate,
                                                      uses_split_backward)
-from titan_kimi.parallel.step_time.stage_work import StageWork, stage_work
+from titan_kimi.parallel.step_time.stage_work import StageWork, stage_work, without_block_start
 from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, geometry_key,
                                                  measured_settings)
 
@@ -171,6 +171,10 @@ class StepTimeModel:
             f = _scaled(flops, 1.0 if section == "vision" else 1.0 / cp)
             got = self.s.table.time_ms(self.geometry, section, kind, t, f.forward, f.backward, ac, load,
                                        settings)
+            inner = without_block_start(kind)
+            if got is None and inner is not None:  # a block start never measured: its kind's rates
+                got = self.s.table.time_ms(self.geometry, section, inner, t, f.forward, f.backward, ac, load,
+                                           settings)
             if got is None:
                 rate = self.s.fallback_mfu * self.s.peak_flops
                 got = (f.forward / rate * 1e3, f.backward / rate * 1e3 + ac * f.forward / rate * 1e3)

@@ -18,6 +18,9 @@ from titan_kimi.models.kimi_k3.layer_flops import ZERO, LayerFlops, block_flops,
 from titan_kimi.models.kimi_k3.vision_accounting import vision_flops
 
 
+BLOCK_START = ", block start"
+
+
 def layer_kind(args: KimiK3ModelArgs, layer: int, dsa_dense: bool) -> str:
     """``<attention>+<ffn>[, block start]``: kda, mla (dense attention, also a DSA layer on its dense
     shortcut), dsa (indexer + sparse attention); moe or dense."""
@@ -27,7 +30,13 @@ def layer_kind(args: KimiK3ModelArgs, layer: int, dsa_dense: bool) -> str:
         attention = "dsa" if args.has_indexer and not dsa_dense else "mla"
     block = args.attn_res_block_size
     start = bool(block) and layer % block == 0
-    return f"{attention}+{'moe' if args.is_moe_layer(layer) else 'dense'}" + (", block start" if start else "")
+    return f"{attention}+{'moe' if args.is_moe_layer(layer) else 'dense'}" + (BLOCK_START if start else "")
+
+
+def without_block_start(kind: str) -> str | None:
+    """The kind of the same layer inside an AttnRes block, for a block-start kind (else None): a block start
+    appends the hidden state to the bank and drops the residual add, the same GEMMs and kernels otherwise."""
+    return kind[: -len(BLOCK_START)] if kind.endswith(BLOCK_START) else None
 
 
 @functools.lru_cache(maxsize=64)
