@@ -392,6 +392,16 @@ def rank_slice_k31_compile(r: Runner, folder: Path) -> None:
                    "compiled=--compile.mode default", "--variant-parts", "layers", "profile", "stage", timeout=540)
 
 
+def rank_slice_k31_compiled(r: Runner, folder: Path) -> None:
+    # The whole stage compiled (every block variant compiles: ~6 minutes on an H200), its entries merged into a
+    # copy of the shipped table beside the eager ones (the estimate picks them for compile.mode default).
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "titan_kimi/parallel/step_time_h200.json", folder / "step_time_h200.json")
+    checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config", "train_configs/k31.toml",
+                   "--world-size", "256", "--table", str(folder / "step_time_h200.json"), "--parts", "layers",
+                   "stage", "--compile.mode", "default", timeout=560)
+
+
 def rank_slice_k31_fp8(r: Runner, folder: Path) -> None:
     # A/B only, compiled as the faster mode measured: bf16 against FP8 routed-expert GEMMs
     checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config", "train_configs/k31.toml",
@@ -489,6 +499,9 @@ def single_gpu_parts() -> list[Part]:
         Part("rank_slice_k31", "one rank of k31.toml at 256 GPUs at full width: per layer kind, its schedule, peak "
                                "memory, profiles; writes the step-time table", rank_slice_k31),
         Part("rank_slice_hellaswag", "the same for k3_hellaswag.toml", rank_slice_hellaswag),
+        Part("rank_slice_k31_compiled", "one rank of k31.toml compiled (--compile.mode default), all 12 layers of "
+                                        "stage 0 with the buffer: per layer kind and the schedule's fit; writes "
+                                        "the compiled entries into the step-time table", rank_slice_k31_compiled),
         Part("rank_slice_k31_fp8", "k31.toml's stage 0 compiled, bf16 against FP8 routed-expert GEMMs at full "
                                    "width: per layer kind, profiles, the schedule", rank_slice_k31_fp8),
         Part("loss_curves_fp8_experts", "k3_small 60 steps with FP8 routed-expert GEMMs between two bf16 runs",
