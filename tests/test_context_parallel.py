@@ -82,7 +82,9 @@ def test_context_parallel_paths_compile_as_one_graph_per_block(one_rank_group):
     trace into each block's graph (fullgraph=True), and the compiled model gives the eager one's results."""
     from titan_kimi.parallel.compile import apply_compile
 
-    args = model_args_for("k31_debug")
+    # one AttnRes block (KDA + dense at its start, KDA + MoE, DSA + MoE): each attention kind's CP path once, and
+    # half the block variants to compile of the flavor's 8 layers
+    args = model_args_for("k31_debug", n_layers=4)
     torch.manual_seed(0)
     model = KimiK3Model(args)
     model.init_weights()
