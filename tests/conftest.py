@@ -77,6 +77,18 @@ def parity_runs(tmp_path_factory):
     return ParityRuns(tmp_path_factory.mktemp("parity_runs"))
 
 
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo process group (the context-parallel paths on one process), destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
 def pretend_selected(monkeypatch, op: str, name: str) -> None:
     """``op`` runs ``name`` for the rest of the test, past the availability check (as on a machine that has it);
     monkeypatch puts the resolved choice back."""

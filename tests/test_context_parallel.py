@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lowerings.ops.sequence_shards import chunk_slots, local_positions, rank_chunks
 from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
@@ -34,15 +33,6 @@ def test_layouts_cut_every_row_into_the_pieces_each_rank_holds():
         local_positions("zigzag", 0, 4, 20)
     with pytest.raises(ValueError, match="layout 'ring'; valid"):
         rank_chunks("ring", 0, 2)
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("flavor", ["k31_debug", "k3_debug"])

@@ -125,17 +125,6 @@ def test_compiled_dsa_block_takes_both_paths_without_graph_breaks_or_more_compil
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_shortcut_under_context_parallelism_decides_from_the_whole_rows(one_rank_group):
     """One rank's zigzag pieces: the whole row (48 tokens) is longer than index_topk, so only the batch's
     documents (all within it) allow the shortcut, which then gives the sparse CP path's outputs and gradients."""

@@ -12,7 +12,6 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lowerings import ops
 from lowerings.ops.indexer_kl import (attention_lse_op, dense_kl_op, scores_at_op, sparse_mla_distilled_op,
@@ -213,15 +212,6 @@ def outputs(call: Callable[[], Outputs], autocast: bool) -> Outputs:
 def test_op_under_autocast_computes_as_without_it(name):
     call = CALLS[name]
     assert_same(outputs(call, autocast=True), outputs(call, autocast=False))
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
