@@ -81,6 +81,9 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     # stage 0 of k31_debug: the dense first layer, KDA and DSA layers with MoE, the tower, the optimizer
     assert {"kda+dense, block start", "kda+moe", "dsa+moe", "attention kda", "ffn moe", "optimizer step"} <= names
     assert any(n.startswith("vision tower + projector") for n in names)
+    # stage 0 holds no head: the last stage's norm and head are built alone and measured with the loss
+    (head,) = [e for e in report["layers"] if e["kind"] == "head"]
+    assert head["forward_ms"] > 0 and head["backward_ms"] > 0 and "built alone" in head["note"]
     blocks = [e for e in report["layers"] if e["kind"] == "block"]
     assert all(e["forward_ms"] > 0 and e["backward_ms"] > 0 and e["flops"]["forward"] > 0 for e in blocks)
     assert {e["load"] for e in blocks if "+moe" in e["name"]} == {"balanced", "zipf:0.5"}
@@ -116,9 +119,9 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
 
     vision = vision_args_from_config(cfg, tokenizer_from_config(cfg, args))
     lines = describe_step_time(cfg, args, layout, vision)
-    # stage 0's kinds were measured; stage 1's head was not: it falls back, named. Stage 1's block start (a
-    # KDA + MoE layer) takes the measured KDA + MoE rates.
-    assert "'head/head'" in lines[0] and "block start" not in lines[0]
+    # every kind is measured (stage 1's head built alone on stage 0's rank; its block start, a KDA + MoE layer,
+    # at the measured KDA + MoE rates): nothing falls back
+    assert "fallback" not in lines[0] and "measured (step_time_h200.json" in lines[0]
     assert "'layers/kda+moe'" not in lines[0] and "'layers/dsa+moe'" not in lines[0]
     # the skewed load: the table's zipf:0.5 MoE rates, and the busiest rank's extra rows in FLOPs and all-to-alls
     from titan_kimi.parallel.step_time.describe import settings_from_config

@@ -14,8 +14,9 @@ Parts (``--parts``, in this order; results are written after each one, so a run 
             into DIR/fla_configs/<GPU>/ (copy into lowerings/kernels/fla_configs/ to ship them); later parts of
             the same run use them.
   layers    each layer kind of the built stages at the recipe's microbatch: the block with its checkpointing,
-            its attention and FFN apart; the MoE under every --loads; the vision tower per image; head + loss;
-            one optimizer step per parameter.
+            its attention and FFN apart; the MoE under every --loads; the vision tower per image; head + loss
+            (the last stage's norm and head built alone when the rank holds none); one optimizer step per
+            parameter.
   profile   each layer kind (block, attention, FFN) under torch's profiler, forward and backward apart: device
             kernel time by category (GEMMs, KDA, Triton, Inductor-fused, eager elementwise, memory) and the
             device's idle time, top kernels (DIR/profile.md, DIR/profile.json).

@@ -393,8 +393,9 @@ def rank_slice_k31_compile(r: Runner, folder: Path) -> None:
 
 
 def rank_slice_k31_compiled(r: Runner, folder: Path) -> None:
-    # The whole stage compiled (every block variant compiles: ~6 minutes on an H200), its entries merged into a
-    # copy of the shipped table beside the eager ones (the estimate picks them for compile.mode default).
+    # The whole stage compiled (every block variant compiles: ~6 minutes on an H200), its entries (the head's too,
+    # built alone) merged into a copy of the shipped table beside the eager ones (the estimate picks them for
+    # compile.mode default).
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "titan_kimi/parallel/step_time_h200.json", folder / "step_time_h200.json")
     checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config", "train_configs/k31.toml",

@@ -18,7 +18,7 @@ from titan_kimi.data.causal_keys import longest_document
 from titan_kimi.models.kimi_k3.layer_flops import ZERO
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.parallel.pipeline_images import unpad_images
-from titan_kimi.parallel.rank_slice.build import build_rank_slice, stages_of
+from titan_kimi.parallel.rank_slice.build import build_head_alone, build_rank_slice, stages_of
 from titan_kimi.parallel.rank_slice.expert_load import balanced_load, parse_load
 from titan_kimi.parallel.rank_slice.measure import (ATTENTION, BLOCK, FFN, Entry, measure_blocks, measure_head,
                                                     measure_optimizer, measure_vision, run_schedule)
@@ -154,9 +154,16 @@ class RankSliceBench:
         for index, stage in self.slice.stages:
             v = measure_vision(stage.part, self.mbs[index], warmup=o.warmup, repeats=o.repeats,
                                generator=self.gen, device=self.device)
-            h = measure_head(stage, self.mbs[index], warmup=o.warmup, repeats=o.repeats, generator=self.gen,
-                             device=self.device, dtype=self.dtype)
+            h = measure_head(stage.part, stage.loss_fn, self.mbs[index], warmup=o.warmup, repeats=o.repeats,
+                             generator=self.gen, device=self.device, dtype=self.dtype)
             entries += [e for e in (v, h) if e is not None]
+        if not any(e.kind == "head" for e in entries):  # this rank holds no head: build it alone
+            index, stage = self.slice.stages[0]
+            head = build_head_alone(self.cfg, self.args, self.tokenizer, self.device)
+            entries.append(measure_head(head, stage.loss_fn, self.mbs[index], warmup=o.warmup, repeats=o.repeats,
+                                        generator=self.gen, device=self.device, dtype=self.dtype,
+                                        note="built alone (the last stage's norm and head; this rank holds none)"))
+            del head
         moe = next((b for part in self.slice.parts for b in part.layers.values()
                     if getattr(getattr(b, "_checkpoint_wrapped_module", b), "moe_enabled", False)),
                    next(iter(self.slice.parts[0].layers.values())))

@@ -100,6 +100,18 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
         reset_adapters(model)
 
 
+def build_head_alone(cfg, args: KimiK3ModelArgs, tokenizer, device: torch.device) -> KimiK3Model:
+    """The model's last stage with only its final norm and output head on ``device`` (its layers stay on the meta
+    device, never run): the head and loss measured on a rank that does not hold them."""
+    part = _build_part(cfg, args, tokenizer, (args.n_layers - 1, args.n_layers), compute_dtype(cfg),
+                       allow_block_cut=True)
+    for module in (part.norm, part.output):
+        module.to_empty(device=device)
+        with torch.no_grad():
+            module.init_weights()
+    return part
+
+
 def build_rank_slice(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, tokenizer, *, pp_rank: int,
                      load: ExpertLoad | None, device: torch.device, max_layers: int = 0) -> RankSlice:
     """The stages of ``pp_rank`` on ``device``. ``load``: the rows one EP rank's local experts receive (None

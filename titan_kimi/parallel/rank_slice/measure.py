@@ -217,10 +217,10 @@ def measure_vision(part, mb: Microbatch, *, warmup: int, repeats: int, generator
                  flops, saved, top, f"{t * h * w} patches; tower {'trained' if trains else 'frozen'}")
 
 
-def measure_head(stage, mb: Microbatch, *, warmup: int, repeats: int, generator: torch.Generator,
-                 device: torch.device, dtype: torch.dtype) -> Entry | None:
-    """The last stage's norm, head and loss (the trainer's fused linear cross-entropy) on the microbatch."""
-    part = stage.part
+def measure_head(part, loss_fn, mb: Microbatch, *, warmup: int, repeats: int, generator: torch.Generator,
+                 device: torch.device, dtype: torch.dtype, note: str = "") -> Entry | None:
+    """The last stage's norm, head and loss (``loss_fn``: the trainer's fused linear cross-entropy) on the
+    microbatch; None for a part without the head."""
     if part.output is None:
         return None
     rows, S = mb.doc_ids.shape
@@ -229,11 +229,12 @@ def measure_head(stage, mb: Microbatch, *, warmup: int, repeats: int, generator:
     normalizer = float(max(1, int((mb.labels != -100).sum())))
 
     def run():
-        loss = stage.loss_fn(part.output, part.norm(hidden), mb.labels, normalizer)
+        loss = loss_fn(part.output, part.norm(hidden), mb.labels, normalizer)
         return [loss], [None]
 
     fwd, bwd, saved, top = _timed(run, device, warmup, repeats)
-    return Entry("norm + head + loss", "head", mb.tokens, fwd, bwd, head_flops(part.args, mb.tokens), saved, top)
+    return Entry("norm + head + loss", "head", mb.tokens, fwd, bwd, head_flops(part.args, mb.tokens), saved, top,
+                 note)
 
 
 def measure_optimizer(block: torch.nn.Module, optimizer_cfg, *, warmup: int, repeats: int,
