@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from timing import median_cuda_ms, rel_err, write_rows  # scripts/bench/ is sys.path[0]
+from timing import median_cuda_ms, rel_err, write_markdown, write_rows  # scripts/bench/ is sys.path[0]
 from lowerings.ops import routed_combine as rc
 from lowerings.ops.registry import install_backends, resolved_backends
 
@@ -89,16 +89,14 @@ def main() -> int:
     finally:
         install_backends(saved)
     write_rows(str(opts.out / "routed_combine.json"), results, torch.device("cuda"))
-    lines = [f"# routed_combine at {T} tokens x top-{k}, latent {L}, bf16 ({torch.cuda.get_device_name()}, torch "
-             f"{torch.__version__})", "",
-             "| path | dispatch fwd ms | dispatch fwd + bwd ms | combine fwd ms | combine fwd + bwd ms | combine error "
-             "vs fp32 | dispatch grad error |", "|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['path']} | {r['dispatch_fwd_ms']:.3f} | {r['dispatch_fwd_bwd_ms']:.3f} | "
-                     f"{r['combine_fwd_ms']:.3f} | {r['combine_fwd_bwd_ms']:.3f} | {r['error_combine']:.2e} | "
-                     f"{r['error_dispatch_grad']:.2e} |")
-    (opts.out / "routed_combine.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(write_markdown(
+        str(opts.out / "routed_combine.md"),
+        f"routed_combine at {T} tokens x top-{k}, latent {L}, bf16 ({torch.cuda.get_device_name()}, torch "
+        f"{torch.__version__})",
+        [("path", "path", ""), ("dispatch fwd ms", "dispatch_fwd_ms", ".3f"),
+         ("dispatch fwd + bwd ms", "dispatch_fwd_bwd_ms", ".3f"), ("combine fwd ms", "combine_fwd_ms", ".3f"),
+         ("combine fwd + bwd ms", "combine_fwd_bwd_ms", ".3f"), ("combine error vs fp32", "error_combine", ".2e"),
+         ("dispatch grad error", "error_dispatch_grad", ".2e")], results))
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from timing import median_cuda_ms, wall_ms_and_peak, write_rows  # scripts/bench/ is sys.path[0]
+from timing import median_cuda_ms, wall_ms_and_peak, write_markdown, write_rows  # scripts/bench/ is sys.path[0]
 
 rl = importlib.import_module("lowerings.ops.router_logits")  # the module (lowerings.ops.router_logits: the wrapper)
 
@@ -86,14 +86,12 @@ def main() -> int:
         print(row, flush=True)
     write_rows(str(opts.out / "router_logits.json"), results, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu, wall clock: a smoke test"
-    lines = [f"# router_logits at x [{T}, {D}], gate [{E}, {D}], bf16 ({name}, torch {torch.__version__})", "",
-             "| path | fwd ms | fwd + bwd ms | logits error vs fp64 | dx error | dw error |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['path']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['error_out']:.2e} | "
-                     f"{r['error_dx']:.2e} | {r['error_dw']:.2e} |")
-    (opts.out / "router_logits.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(write_markdown(
+        str(opts.out / "router_logits.md"),
+        f"router_logits at x [{T}, {D}], gate [{E}, {D}], bf16 ({name}, torch {torch.__version__})",
+        [("path", "path", ""), ("fwd ms", "fwd_ms", ".3f"), ("fwd + bwd ms", "fwd_bwd_ms", ".3f"),
+         ("logits error vs fp64", "error_out", ".2e"), ("dx error", "error_dx", ".2e"),
+         ("dw error", "error_dw", ".2e")], results))
     return 0
 
 

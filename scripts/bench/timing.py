@@ -73,6 +73,18 @@ def cell(row: dict, key: str, fmt: str) -> str:
     return format(row[key], fmt) if key in row else "—"
 
 
+def write_markdown(path: str, title: str, columns: list[tuple[str, str, str]], rows: list[dict]) -> str:
+    """``# title`` and a table of ``rows``, one column per ``(header, key, format)`` (``cell``), written to ``path``;
+    returns the text."""
+    lines = [f"# {title}", "", "| " + " | ".join(h for h, _, _ in columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r, key, fmt) for _, key, fmt in columns) + " |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` in fp32 (Frobenius norms)."""
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
