@@ -36,6 +36,11 @@ BACKEND_OPS: dict[str, OpEntry] = {
         "Triton kernels written here; reference = row-chunked plain torch; auto = triton on CUDA",
         ("reference", "triton")),
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
+    "short_conv": OpEntry(
+        "the KDA layers' causal depthwise short convolution with SiLU (q, k, v): triton = one-pass forward and "
+        "backward kernels written here, eager and inside compiled regions; reference = the plain formula, which "
+        "Inductor fuses where it compiles; auto = triton on CUDA",
+        ("reference", "triton")),
     "routed_combine": OpEntry(
         "the MoE's rows around the routed experts (each token's latent row copied into expert order, and the "
         "router-weighted fp32 sum of its expert outputs): triton = gather-sum kernels written here, one pass each "

@@ -22,7 +22,7 @@ import torch
 
 KERNELS_DIR = Path(__file__).resolve().parents[1] / "lowerings" / "kernels"
 KERNEL_MODULES = ("sparse_mla_fwd", "sparse_mla_bwd", "indexer_topk", "situ_glu", "attn_res_mix", "indexer_kl",
-                  "routed_combine")
+                  "routed_combine", "short_conv")
 _INTERP_PKG = "_titan_kimi_interpreted_kernels"
 
 # ----------------------------------------------------------------------------------------------------------

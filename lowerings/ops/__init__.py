@@ -11,6 +11,7 @@ from lowerings.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entrop
 from lowerings.ops.registry import configure_backends, known_ops, op_backends, selected_backend
 from lowerings.ops.routed_combine import combine_rows, dispatch_rows, route_rows
 from lowerings.ops.router_logits import router_logits
+from lowerings.ops.short_conv import short_conv
 from lowerings.ops.situ_glu import situ_glu
 from lowerings.ops.sparse_mla import sparse_mla
 
@@ -35,6 +36,7 @@ __all__ = [
     "op_backends",
     "selected_backend",
     "selected_mass",
+    "short_conv",
     "situ_glu",
     "sparse_indexer_kl",
     "sparse_kl_from_scores",

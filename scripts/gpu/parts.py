@@ -324,6 +324,10 @@ def op_router_logits(r: Runner, folder: Path) -> None:
     checked_script(r, folder, "router_logits", "scripts/bench/router_logits.py", timeout=120)
 
 
+def op_short_conv(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "short_conv", "scripts/bench/short_conv.py", timeout=120)
+
+
 FLASH_BUILD_RC = Path("/tmp/flash_build.rc")
 
 
@@ -489,6 +493,8 @@ def single_gpu_parts() -> list[Part]:
         Part("op_router_logits", "the MoE router's fp32 logits at k31.toml's shape: the fp32 matmul (eager, compiled) "
                                  "against the bf16 tensor-core op, and each one's error against fp64",
              op_router_logits),
+        Part("op_short_conv", "the KDA short convolution at k31.toml's KDA shape: the formula (eager, compiled) "
+                              "against the Triton kernels", op_short_conv),
         Part("flash_mla_build", "build FlashMLA's sm90 sparse forward in the background (for op_sparse_attention "
                                 "and the flash_mla tests)", flash_mla_build),
         Part("resume_exactness", "k3_small 20 steps straight (cold, warm) vs 10 + resume + 10 (warm, cold caches)",
@@ -515,4 +521,4 @@ def single_gpu_parts() -> list[Part]:
 
 GROUPS = {"ops": ["op_loss_optimizer", "op_causal_attention", "op_kda", "op_fused", "op_sparse_attention",
                   "op_dsa_layer", "op_cp_dsa_layer", "op_moe_alignment", "op_routed_combine",
-                  "op_router_logits"]}
+                  "op_router_logits", "op_short_conv"]}

@@ -6,15 +6,16 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from lowerings import ops
 from titan_kimi.models.kimi_k3.init_specs import InitSpec, init_declared
 
 
 class ShortConv(nn.Module):
     """``y_t = SiLU(sum_i w[:, W-1-i] x_{t-i})`` over the current segment only; weight ``[C, 1, W]`` in fp32.
 
-    Written as shifted multiply-adds so Inductor fuses it into one pointwise kernel.
+    The op ``lowerings.ops.short_conv`` (its reference is this formula as shifted multiply-adds, which Inductor
+    fuses into one pointwise kernel); under context parallelism each piece runs it with the previous rank's rows.
     """
 
     fp32_params = ("weight",)
@@ -30,31 +31,18 @@ class ShortConv(nn.Module):
         these are the W-1 rows before each piece; without it the rows before the first are zeros."""
         if halo is not None:
             return self._pieces(x, pos_in_seg, halo)
-        S = x.shape[1]
-        w = self.weight.float().squeeze(1)  # [C, W]; w[:, W-1] multiplies the current token
-        xf = x.float()
-        y = xf * w[:, -1]
-        for shift in range(1, self.kernel_size):
-            past = F.pad(xf, (0, 0, shift, 0))[:, :S]
-            if pos_in_seg is not None:
-                past = past * (pos_in_seg >= shift).unsqueeze(-1)
-            y = y + past * w[:, -1 - shift]
-        return F.silu(y).to(x.dtype)
+        return ops.short_conv(x, self.weight, pos_in_seg)
 
     def _pieces(self, x: torch.Tensor, pos_in_seg: torch.Tensor, halo: torch.Tensor) -> torch.Tensor:
+        # Each piece with its halo rows in front is one row of the op; pos_in_seg is the position in the whole
+        # segment, so it also masks halo rows of another document. The halo rows' own outputs are dropped.
         B, S, C = x.shape
         P, n = halo.shape[1], self.kernel_size - 1
         L = S // P
-        w = self.weight.float().squeeze(1)
-        xf = x.float().reshape(B * P, L, C)
+        ext = torch.cat([halo.reshape(B * P, n, C).to(x.dtype), x.reshape(B * P, L, C)], dim=1)
         pos = pos_in_seg.reshape(B * P, L)
-        ext = torch.cat([halo.float().reshape(B * P, n, C), xf], dim=1)
-        y = xf * w[:, -1]
-        for shift in range(1, self.kernel_size):
-            # pos_in_seg is the position in the whole segment, so it also masks halo rows of another document
-            past = ext[:, n - shift: n - shift + L] * (pos >= shift).unsqueeze(-1)
-            y = y + past * w[:, -1 - shift]
-        return F.silu(y).to(x.dtype).reshape(B, S, C)
+        pos_ext = torch.cat([pos.new_zeros(B * P, n), pos], dim=1)
+        return ops.short_conv(ext, self.weight, pos_ext)[:, n:].reshape(B, S, C)
 
     def parameter_init_specs(self) -> dict[str, InitSpec]:
         # PyTorch's Conv1d default: kaiming_uniform(a=sqrt(5)) == U(-1/sqrt(fan_in), 1/sqrt(fan_in)).

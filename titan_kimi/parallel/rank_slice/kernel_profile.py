@@ -20,7 +20,7 @@ CATEGORIES: tuple[tuple[str, re.Pattern], ...] = tuple((name, re.compile(pattern
     ("kda (fla)", r"chunk_|kda|gated_delta|wy_fast|recompute_w_u|solve_tril|merge_16x16|fwd_h|bwd_dh|bwd_dv|"
                   r"l2norm|fused_recurrent|prepare_wy"),
     ("sparse mla / indexer (triton)", r"sparse_mla|indexer|_topk_|topk_select|^_bwd_dq_kernel|^_bwd_dkv_kernel"),
-    ("fused kernels (ours)", r"situ|attn_res|swiglu|linear_cross|liger|gather_sum"),
+    ("fused kernels (ours)", r"situ|attn_res|swiglu|linear_cross|liger|gather_sum|short_conv"),
     ("attention (flash / cudnn)", r"flash|fmha|sdpa|cudnn|attention"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm100_|_mm_|bmm|matmul|triton_tem|::mm$|addmm|grouped_mm"),
     ("inductor fused", r"^triton_(poi|red|per)_"),
