@@ -37,9 +37,9 @@ BACKEND_OPS: dict[str, OpEntry] = {
         ("reference", "triton")),
     "situ_glu": OpEntry("SiTU-GLU expert activation backend", ("reference", "triton")),
     "short_conv": OpEntry(
-        "the KDA layers' causal depthwise short convolution with SiLU (q, k, v): triton = one-pass forward and "
-        "backward kernels written here, eager and inside compiled regions; reference = the plain formula, which "
-        "Inductor fuses where it compiles; auto = triton on CUDA",
+        "the KDA layers' causal depthwise short convolution with SiLU (q, k, v): triton = forward and backward "
+        "kernels written here, where the layer runs eager; reference = the plain formula; inside a compiled region "
+        "both trace the formula for Inductor to fuse; auto = triton on CUDA",
         ("reference", "triton")),
     "routed_combine": OpEntry(
         "the MoE's rows around the routed experts (each token's latent row copied into expert order, and the "

@@ -124,6 +124,21 @@ def test_reference_backend_and_cpu_run_the_formula_not_the_op(monkeypatch):
     assert calls == []
 
 
+def test_compiled_regions_trace_the_formula_under_either_backend(monkeypatch):
+    calls, graphs = [], []
+    monkeypatch.setattr(sc, "short_conv_op", lambda *a: calls.append(a))
+    monkeypatch.setattr(sc, "_use_triton", lambda x: True)  # a stand-in for a CUDA tensor with triton selected
+
+    def capture(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    x, w = torch.randn(1, 6, 8), torch.randn(8, 1, 4)
+    out = torch.compile(sc.short_conv, backend=capture, fullgraph=True)(x, w, None)
+    assert calls == [] and len(graphs) == 1 and "short_conv" not in graphs[0]
+    assert rel_err(out, sc.short_conv_reference(x, w.squeeze(1), None)) < 1e-6
+
+
 def test_triton_backend_on_cuda_calls_the_op_with_the_squeezed_weight(monkeypatch):
     calls = []
     monkeypatch.setattr(sc, "short_conv_op", lambda x, w, pos: calls.append((x.shape, w.shape, pos)))
@@ -159,7 +174,8 @@ def test_gpu_kernels_at_the_k31_kda_shape(with_pos):
 @pytest.mark.gpu
 @gpu
 def test_gpu_kda_layer_triton_backend_matches_reference_backend():
-    """A KDA attention layer (k31_small width) forward and backward with short_conv = triton vs reference, compiled."""
+    """A KDA attention layer (k31_small width) forward and backward with short_conv = triton vs reference, eager
+    (inside a compiled region both backends trace the formula)."""
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.models.kimi_k3.delta_attention import KimiDeltaAttention
     from titan_kimi.models.kimi_k3.sequence import build_sequence_info
@@ -182,7 +198,7 @@ def test_gpu_kda_layer_triton_backend_matches_reference_backend():
             install_backends(saved.replaced({"short_conv": backend}))
             layer.zero_grad()
             xi = x.clone().requires_grad_()
-            out = torch.compile(layer)(xi, seq)
+            out = layer(xi, seq)
             out.float().square().mean().backward()
             results[backend] = (out, xi.grad, layer.q_conv1d.weight.grad.clone())
     finally:
