@@ -20,35 +20,35 @@ BACKENDS = op_backends("short_conv")
 BACKENDS.add("triton", cuda_available, auto_rank=0)
 
 
+def _preactivation(x: torch.Tensor, weight: torch.Tensor,
+                   pos_in_seg: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``a = sum_i w[:, W-1-i] taps[i]`` in fp32 and the taps: ``taps[i][t] = x[t-i]`` where ``t`` is at least ``i``
+    tokens into its segment (else 0)."""
+    S, W = x.shape[1], weight.shape[-1]
+    w, xf = weight.float(), x.float()
+    taps, a = [xf], xf * w[:, -1]
+    for shift in range(1, W):
+        past = F.pad(xf, (0, 0, shift, 0))[:, :S]
+        taps.append(past * (pos_in_seg >= shift).unsqueeze(-1) if pos_in_seg is not None else past)
+        a = a + taps[-1] * w[:, -1 - shift]
+    return a, taps
+
+
 def short_conv_reference(x: torch.Tensor, weight: torch.Tensor, pos_in_seg: torch.Tensor | None) -> torch.Tensor:
     """``SiLU(sum_i w[:, W-1-i] x[t-i])`` over the current segment, fp32 math, ``x``'s dtype out.
 
     ``x [B,S,C]``, ``weight [C, W]`` (``w[:, W-1]`` multiplies the current token), ``pos_in_seg [B,S]`` or None
     (then only the row's start cuts the window). Shifted multiply-adds, so Inductor fuses it into one kernel.
     """
-    S, W = x.shape[1], weight.shape[-1]
-    w = weight.float()
-    xf = x.float()
-    y = xf * w[:, -1]
-    for shift in range(1, W):
-        past = F.pad(xf, (0, 0, shift, 0))[:, :S]
-        if pos_in_seg is not None:
-            past = past * (pos_in_seg >= shift).unsqueeze(-1)
-        y = y + past * w[:, -1 - shift]
-    return F.silu(y).to(x.dtype)
+    return F.silu(_preactivation(x, weight, pos_in_seg)[0]).to(x.dtype)
 
 
 def short_conv_backward_reference(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                   pos_in_seg: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx in x's dtype, dw [C, W] fp32)``: with ``g = dy SiLU'(a)``, ``dx[t] = sum_i w[:, W-1-i] g[t+i]`` where
     ``t+i`` is at least ``i`` tokens into its segment, ``dw[:, W-1-i] = sum_t g[t] x[t-i]`` likewise."""
-    S, W = x.shape[1], weight.shape[-1]
-    w, xf = weight.float(), x.float()
-    taps = [xf]  # taps[i][t] = x[t-i] inside the segment
-    for shift in range(1, W):
-        past = F.pad(xf, (0, 0, shift, 0))[:, :S]
-        taps.append(past * (pos_in_seg >= shift).unsqueeze(-1) if pos_in_seg is not None else past)
-    a = sum(taps[i] * w[:, W - 1 - i] for i in range(W))
+    W, w = weight.shape[-1], weight.float()
+    a, taps = _preactivation(x, weight, pos_in_seg)
     sig = torch.sigmoid(a)
     g = grad.float() * sig * (1 + a * (1 - sig))
     dw = torch.stack([(g * taps[i]).sum((0, 1)) for i in range(W)], dim=-1).flip(-1)

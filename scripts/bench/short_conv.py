@@ -23,6 +23,14 @@ from lowerings.ops.registry import install_backends, resolved_backends
 sc = importlib.import_module("lowerings.ops.short_conv")  # the module (lowerings.ops.short_conv is its function)
 
 
+def with_rates(row: dict, elements: int) -> dict:
+    """``row`` with GB/s from the bytes at least moved (bf16): x read and y written forward; x and dy read, dx
+    written backward."""
+    row["fwd_gb_s"] = 2 * elements * 2 / (row["fwd_ms"] * 1e-3) / 1e9
+    row["fwd_bwd_gb_s"] = 5 * elements * 2 / (row["fwd_bwd_ms"] * 1e-3) / 1e9
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
@@ -69,10 +77,7 @@ def main() -> int:
                    "error_dw": rel_err(w.grad, w32.grad),
                    "fwd_ms": median_cuda_ms(lambda: fn(x, w, pos), warmup=3, repeats=opts.reps),
                    "fwd_bwd_ms": median_cuda_ms(fwd_bwd, warmup=3, repeats=opts.reps)}
-            # bytes at least moved: x read and y written forward; x and dy read, dx written backward (bf16)
-            row["fwd_gb_s"] = 2 * x.numel() * 2 / (row["fwd_ms"] * 1e-3) / 1e9
-            row["fwd_bwd_gb_s"] = 5 * x.numel() * 2 / (row["fwd_bwd_ms"] * 1e-3) / 1e9
-            results.append(row)
+            results.append(with_rates(row, x.numel()))
             print(row, flush=True)
     finally:
         install_backends(saved)
@@ -87,8 +92,7 @@ def main() -> int:
                "bwd_ms": median_cuda_ms(lambda: short_conv_backward(cot, xd, wd, pos, tiles=tiles), warmup=3,
                                         repeats=opts.reps)}
         row["fwd_bwd_ms"] = row["fwd_ms"] + row["bwd_ms"]
-        row["fwd_gb_s"] = 2 * x.numel() * 2 / (row["fwd_ms"] * 1e-3) / 1e9
-        row["fwd_bwd_gb_s"] = 5 * x.numel() * 2 / (row["fwd_bwd_ms"] * 1e-3) / 1e9
+        with_rates(row, x.numel())
         dx, dw = short_conv_backward(cot, xd, wd, pos, tiles=tiles)
         row.update(error_y=rel_err(short_conv_forward(xd, wd, pos, tiles=tiles), exact),
                    error_dx=rel_err(dx, x32.grad), error_dw=rel_err(dw, w32.grad))
