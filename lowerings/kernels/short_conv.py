@@ -37,14 +37,19 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _preact(X, W_ptr, POS, b, rows, offs_c, mask_c, S, stride_xb, stride_xs, stride_pb,
-            W: tl.constexpr, HAS_POS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``a`` at ``rows`` (a [BLOCK_T] vector, any of them possibly outside [0, S)): fp32 [BLOCK_T, BLOCK_C]."""
-    inside = (rows >= 0) & (rows < S)
+def _positions(POS, b, rows, inside, stride_pb, HAS_POS: tl.constexpr):
+    """Each row's position inside its segment (without ``pos``: inside the row)."""
     if HAS_POS:
         pos = tl.load(POS + b * stride_pb + rows, mask=inside, other=0)
     else:
         pos = rows
+    return pos
+
+
+@triton.jit
+def _preact(X, W_ptr, b, rows, pos, inside, offs_c, mask_c, stride_xb, stride_xs,
+            W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``a`` at ``rows`` (a [BLOCK_T] vector; ``inside`` marks those in [0, S)): fp32 [BLOCK_T, BLOCK_C]."""
     acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
     for i in tl.static_range(W):
         src = rows - i
@@ -63,10 +68,11 @@ def _short_conv_fwd_kernel(X, W_ptr, POS, Y, S, C, stride_xb, stride_xs, stride_
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_c = offs_c < C
-    a = _preact(X, W_ptr, POS, b, rows, offs_c, mask_c, S, stride_xb, stride_xs, stride_pb, W, HAS_POS, BLOCK_T,
-                BLOCK_C)
+    inside = rows < S
+    pos = _positions(POS, b, rows, inside, stride_pb, HAS_POS)
+    a = _preact(X, W_ptr, b, rows, pos, inside, offs_c, mask_c, stride_xb, stride_xs, W, BLOCK_T, BLOCK_C)
     y = a * _sigmoid(a)
-    mask = (rows < S)[:, None] & mask_c[None, :]
+    mask = inside[:, None] & mask_c[None, :]
     tl.store(Y + b * stride_yb + rows[:, None] * stride_ys + offs_c[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -80,12 +86,8 @@ def _short_conv_bwd_gate_kernel(X, W_ptr, POS, DY, G, DW, S, C, n_row_blocks, st
     rows = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_c = offs_c < C
     inside = rows < S
-    if HAS_POS:
-        pos = tl.load(POS + b * stride_pb + rows, mask=inside, other=0)
-    else:
-        pos = rows
-    a = _preact(X, W_ptr, POS, b, rows, offs_c, mask_c, S, stride_xb, stride_xs, stride_pb, W, HAS_POS, BLOCK_T,
-                BLOCK_C)
+    pos = _positions(POS, b, rows, inside, stride_pb, HAS_POS)
+    a = _preact(X, W_ptr, b, rows, pos, inside, offs_c, mask_c, stride_xb, stride_xs, W, BLOCK_T, BLOCK_C)
     mask = inside[:, None] & mask_c[None, :]
     dy = tl.load(DY + b * stride_dyb + rows[:, None] * stride_dys + offs_c[None, :], mask=mask, other=0.0)
     sig = _sigmoid(a)
@@ -112,11 +114,7 @@ def _short_conv_bwd_input_kernel(G, W_ptr, POS, DX, S, C, stride_dxb, stride_dxs
     for i in tl.static_range(W):
         later = rows + i
         inside = later < S
-        if HAS_POS:
-            pos = tl.load(POS + b * stride_pb + later, mask=inside, other=0)
-        else:
-            pos = later
-        keep = inside & (pos >= i)
+        keep = inside & (_positions(POS, b, later, inside, stride_pb, HAS_POS) >= i)
         g = tl.load(G + b * S * C + later[:, None] * C + offs_c[None, :], mask=keep[:, None] & mask_c[None, :],
                     other=0.0)
         wi = tl.load(W_ptr + offs_c * W + (W - 1 - i), mask=mask_c, other=0.0)
