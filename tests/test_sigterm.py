@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-STEPS = 30
+STEPS = 12
 ARGS = ["--job.config_file", "train_configs/k31_debug.toml", "--training.steps", str(STEPS), "--training.seq_len",
         "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
         "--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.last_save_model_only", "false"]
