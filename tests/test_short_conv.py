@@ -7,6 +7,7 @@ import importlib
 import pytest
 import torch
 
+from conftest import backend_selected, pretend_selected
 from lowerings.ops.registry import install_backends, resolved_backends
 from test_triton_kernels import _interp_mods, ik, rel_err  # noqa: F401 (fixtures)
 
@@ -113,14 +114,10 @@ def test_wrapper_rejects_mismatched_shapes():
 def test_reference_backend_and_cpu_run_the_formula_not_the_op(monkeypatch):
     calls = []
     monkeypatch.setattr(sc, "short_conv_op", lambda *a: calls.append(a))
-    saved = resolved_backends()
-    try:
-        install_backends(saved.replaced({"short_conv": "reference"}))
+    with backend_selected("short_conv", "reference"):
         sc.short_conv(torch.randn(1, 6, 8), torch.randn(8, 1, 4), None)
-        install_backends(saved.replaced({"short_conv": "triton"}))  # triton selected, but the tensors are on the CPU
-        sc.short_conv(torch.randn(1, 6, 8), torch.randn(8, 1, 4), None)
-    finally:
-        install_backends(saved)
+    pretend_selected(monkeypatch, "short_conv", "triton")  # triton selected, but the tensors are on the CPU
+    sc.short_conv(torch.randn(1, 6, 8), torch.randn(8, 1, 4), None)
     assert calls == []
 
 
