@@ -61,6 +61,12 @@ def test_communication_costs():
     assert net.all_to_all(sent, 1) == 0.0
     assert net.ring(1e9, 8) == pytest.approx(1e9 * 7 / 8 / 400e9 + 1e-5)
     assert net.ring(1e9, 32) == pytest.approx(1e9 * 31 / 32 / 50e9 + 1e-5)  # the slowest link a ring crosses
+    # the experts' FSDP group: one rank of each EP group, ep ranks apart
+    assert net.nodes(8, stride=32) == 8 and net.nodes(4, stride=2) == 1 and net.nodes(4, stride=4) == 2
+    assert net.ring(1e9, 8, stride=32) == pytest.approx(1e9 * 7 / 8 / 50e9 + 1e-5)
+    assert net.ring(1e9, 4, stride=2) == pytest.approx(1e9 * 3 / 4 / 400e9 + 1e-5)
+    with pytest.raises(ValueError, match="rank stride 0"):
+        net.nodes(4, stride=0)
     assert net.point_to_point(1e6, 32) == pytest.approx(1e6 / 50e9 + 1e-5)
     with pytest.raises(ValueError, match="bandwidths must be > 0"):
         Network(0.0, 50.0, 8, 1.0)

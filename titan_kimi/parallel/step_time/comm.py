@@ -3,7 +3,9 @@ counted from the layout and the model, one cost formula per collective.
 
 Ranks are placed as torchtitan's mesh orders them (pp outermost, then dp_replicate, dp_shard, cp innermost):
 an FSDP group (dp_shard x cp) and an EP group (``ep`` ranks inside it) are consecutive ranks, pipeline peers
-are ``world / pp`` ranks apart. A group of ``g`` consecutive ranks spans ``ceil(g / gpus_per_node)`` nodes.
+are ``world / pp`` ranks apart. The experts' FSDP group (efsdp) takes one rank of each EP group: its ranks are
+``ep`` apart (torchtitan's sparse mesh is pp x dp_replicate x efsdp x ep), so at ``ep >= gpus_per_node`` each of
+them sits on its own node. A group of ``g`` ranks ``stride`` apart spans the nodes its ranks fall on.
 
 - all-to-all of ``B`` bytes sent per rank (spread evenly over the group, itself included): the node-local
   part over NVLink, the rest over the rank's own NIC, whichever takes longer, plus one latency;
@@ -33,9 +35,11 @@ class Network:
     def latency(self) -> float:
         return self.latency_us * 1e-6
 
-    def nodes(self, group: int) -> int:
-        """Nodes a group of ``group`` consecutive ranks spans."""
-        return math.ceil(group / self.gpus_per_node)
+    def nodes(self, group: int, stride: int = 1) -> int:
+        """Nodes a group of ``group`` ranks ``stride`` apart (consecutive at 1) spans."""
+        if stride < 1:
+            raise ValueError(f"rank stride {stride}: must be >= 1")
+        return len({i * stride // self.gpus_per_node for i in range(group)})
 
     def all_to_all(self, bytes_sent: float, group: int) -> float:
         if group <= 1 or bytes_sent <= 0:
@@ -45,11 +49,12 @@ class Network:
         inter = bytes_sent * (group - local) / group
         return max(intra / (self.nvlink_gb_per_s * 1e9), inter / (self.internode_gb_per_s * 1e9)) + self.latency
 
-    def ring(self, tensor_bytes: float, group: int) -> float:
-        """An all-gather or a reduce-scatter of a whole tensor of ``tensor_bytes`` over ``group`` ranks."""
+    def ring(self, tensor_bytes: float, group: int, stride: int = 1) -> float:
+        """An all-gather or a reduce-scatter of a whole tensor of ``tensor_bytes`` over ``group`` ranks
+        ``stride`` apart."""
         if group <= 1 or tensor_bytes <= 0:
             return 0.0
-        bw = self.nvlink_gb_per_s if self.nodes(group) == 1 else self.internode_gb_per_s
+        bw = self.nvlink_gb_per_s if self.nodes(group, stride) == 1 else self.internode_gb_per_s
         return tensor_bytes * (group - 1) / group / (bw * 1e9) + self.latency
 
     def point_to_point(self, nbytes: float, stride: int) -> float:

@@ -339,10 +339,10 @@ class StepTimeModel:
         if layout.efsdp > 1 and layers:
             local = (c.experts + c.experts_frozen) / layout.ep / layers
             units += [(local, c.experts / layout.ep / layers)] * layers
-        gather = [net.ring(u * wbytes, layout.fsdp if i < len(c.units) else layout.efsdp)
-                  for i, (u, _) in enumerate(units)]
-        scatter = [net.ring(g * reduce_bytes, layout.fsdp if i < len(c.units) else layout.efsdp)
-                   for i, (_, g) in enumerate(units)]
+        # the dense units over fsdp's consecutive ranks, the experts' over efsdp's ranks ep apart
+        groups = [(layout.fsdp, 1) if i < len(c.units) else (layout.efsdp, layout.ep) for i in range(len(units))]
+        gather = [net.ring(u * wbytes, *group) for (u, _), group in zip(units, groups)]
+        scatter = [net.ring(g * reduce_bytes, *group) for (_, g), group in zip(units, groups)]
         return gather, scatter
 
     def _optimizer_s(self, layout: ParallelLayout, counts: list[StageParams]) -> float:
