@@ -16,7 +16,6 @@ them sits on its own node. A group of ``g`` ranks ``stride`` apart spans the nod
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
