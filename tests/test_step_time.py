@@ -2,6 +2,7 @@
 the measured table's lookups, and the dry run's estimate and recommendation."""
 
 import json
+import re
 
 import pytest
 
@@ -68,6 +69,10 @@ def test_communication_costs():
     with pytest.raises(ValueError, match="rank stride 0"):
         net.nodes(4, stride=0)
     assert net.point_to_point(1e6, 32) == pytest.approx(1e6 / 50e9 + 1e-5)
+    # what each puts on the rank's NIC: the off-node share only, no latency
+    assert net.nic_all_to_all(sent, 32) == pytest.approx(sent * 24 / 32 / 50e9) and net.nic_all_to_all(sent, 8) == 0
+    assert net.nic_ring(1e9, 8, stride=32) == pytest.approx(1e9 * 7 / 8 / 50e9) and net.nic_ring(1e9, 8) == 0
+    assert net.nic_point_to_point(1e6, 32) == pytest.approx(1e6 / 50e9) and net.nic_point_to_point(1e6, 4) == 0
     with pytest.raises(ValueError, match="bandwidths must be > 0"):
         Network(0.0, 50.0, 8, 1.0)
 
@@ -123,6 +128,25 @@ def test_dry_run_estimates_the_step_and_recommends_a_layout(capsys):
     assert speeds == sorted(speeds, reverse=True)
     out = run_main(capsys, *STEP_TIME, "--step_time.memory_gib", "1e-9")
     assert "# recommended for 8 GPUs: none fits in 1e-09 GiB" in out
+
+
+def _configured(out: str) -> tuple[float, dict[str, float]]:
+    line = next(x for x in out.splitlines() if x.startswith("# step time of the configured layout: "))
+    step = float(re.search(r": step ([\d.e+-]+) s,", line)[1])
+    terms = re.search(r"\[(.*) s\]", line)[1]
+    return step, {name: float(value) for name, value in (t.rsplit(" ", 1) for t in terms.split(", "))}
+
+
+def test_the_busiest_nic_bounds_the_step_when_compute_hides_the_gathers(capsys):
+    """Without PP every microbatch gathers and reduce-scatters each FSDP unit behind compute; with every rank on
+    its own node and a slow NIC, the hidden gathers, the reduce-scatters and the EP all-to-alls together take the
+    NIC longer than the schedule: the step grows to the NIC's seconds, the excess named as its own term."""
+    args = [*STEP_TIME, "--parallelism.pipeline_parallel_degree", "1", "--training.global_batch_size", "32",
+            "--metrics.peak_flops", "1e11", "--step_time.gpus_per_node", "1"]
+    step, terms = _configured(run_main(capsys, *args, "--step_time.internode_gb_per_s", "0.3"))
+    assert terms["NIC contention"] > 0 and sum(terms.values()) == pytest.approx(step, rel=0.01)
+    step, terms = _configured(run_main(capsys, *args, "--step_time.internode_gb_per_s", "3"))
+    assert "NIC contention" not in terms and sum(terms.values()) == pytest.approx(step, rel=0.01)
 
 
 def test_memory_drops_the_accumulated_gradients_when_they_are_reduced_every_microbatch():

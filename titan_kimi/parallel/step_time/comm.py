@@ -11,7 +11,9 @@ them sits on its own node. A group of ``g`` ranks ``stride`` apart spans the nod
   part over NVLink, the rest over the rank's own NIC, whichever takes longer, plus one latency;
 - all-gather / reduce-scatter of a tensor of ``S`` bytes (whole size) over ``g`` ranks: a ring moving
   ``S (g - 1) / g`` per rank at the slowest link the group crosses, plus one latency;
-- point-to-point (pipeline): ``B`` bytes over NVLink or the NIC, plus one latency.
+- point-to-point (pipeline): ``B`` bytes over NVLink or the NIC, plus one latency;
+- the NIC's load: each collective's off-node bytes at the inter-node bandwidth (``nic_*``), summed over a step,
+  bounds the step from below however the collectives overlap with compute and each other.
 """
 
 from __future__ import annotations
@@ -60,9 +62,28 @@ class Network:
         """``nbytes`` to a rank ``stride`` ranks away."""
         if nbytes <= 0:
             return 0.0
-        same_node = stride < self.gpus_per_node and self.gpus_per_node % max(1, stride) == 0
-        bw = self.nvlink_gb_per_s if same_node else self.internode_gb_per_s
+        bw = self.nvlink_gb_per_s if self._peer_on_node(stride) else self.internode_gb_per_s
         return nbytes / (bw * 1e9) + self.latency
+
+    def _peer_on_node(self, stride: int) -> bool:
+        return stride < self.gpus_per_node and self.gpus_per_node % max(1, stride) == 0
+
+    # What each collective puts on the rank's NIC (seconds at the inter-node bandwidth; nothing inside a node).
+    # Every collective here sends as much as it receives, so one direction's seconds bound the NIC's load.
+    def nic_all_to_all(self, bytes_sent: float, group: int) -> float:
+        if group <= 1 or bytes_sent <= 0:
+            return 0.0
+        return bytes_sent * (group - min(group, self.gpus_per_node)) / group / (self.internode_gb_per_s * 1e9)
+
+    def nic_ring(self, tensor_bytes: float, group: int, stride: int = 1) -> float:
+        if group <= 1 or tensor_bytes <= 0 or self.nodes(group, stride) == 1:
+            return 0.0
+        return tensor_bytes * (group - 1) / group / (self.internode_gb_per_s * 1e9)
+
+    def nic_point_to_point(self, nbytes: float, stride: int) -> float:
+        if nbytes <= 0 or self._peer_on_node(stride):
+            return 0.0
+        return nbytes / (self.internode_gb_per_s * 1e9)
 
     def describe(self) -> str:
         return (f"NVLink {self.nvlink_gb_per_s:g} GB/s and inter-node {self.internode_gb_per_s:g} GB/s per GPU and "

@@ -12,7 +12,8 @@ What runs where (torchtitan 0.2.2 + torch.distributed.pipelining as this project
   action): exposed in full. Without pipeline parallelism every microbatch gathers in the forward and again in
   the backward, and reduce-scatters in the backward, each hidden behind one layer's compute where it can be;
 - pipeline sends are asynchronous; a stage waits for its input to arrive (latency + bytes / bandwidth);
-- DualPipeV's overlapped forward/backward pairs run one after the other (no overlap function is registered).
+- DualPipeV's overlapped forward/backward pairs run one after the other (no overlap function is registered);
+- hidden or not, every off-node byte crosses the rank's one NIC: the busiest NIC's seconds bound the step.
 """
 
 from __future__ import annotations
@@ -195,14 +196,16 @@ class StepTimeModel:
         return fwd, b_in, b_w, notes
 
     # ------------------------------------------------------------------ communication per microbatch
-    def _layer_comm(self, layout: ParallelLayout, layer_range: tuple[int, int], tokens: int) -> tuple[float, float, float]:
-        """(forward, backward) seconds of the exposed EP and CP exchanges of one microbatch on a stage, and the
-        EP share of the total."""
+    def _layer_comm(self, layout: ParallelLayout, layer_range: tuple[int, int],
+                    tokens: int) -> tuple[float, float, float, float]:
+        """(forward, backward) seconds of the exposed EP and CP exchanges of one microbatch on a stage, the EP
+        share of the total, and the seconds they put on the rank's NIC."""
         a, net = self.args, self.s.network
         factor, _ = self.load_factor(layout.ep)
-        fwd = bwd = ep_total = 0.0
+        fwd = bwd = ep_total = nic = 0.0
         latent = a.moe_latent_dim or a.dim
-        one = net.all_to_all(ep_all_to_all_bytes(tokens, a.num_experts_per_tok, latent) * factor, layout.ep)
+        sent = ep_all_to_all_bytes(tokens, a.num_experts_per_tok, latent) * factor
+        one, one_nic = net.all_to_all(sent, layout.ep), net.nic_all_to_all(sent, layout.ep)
         rows = layout.microbatch_size if layout.pipeline is not None else self.cfg.training.local_batch_size
         whole = rows * self.cfg.training.seq_len  # the CP group's tokens
         for layer in range(*layer_range):
@@ -210,17 +213,20 @@ class StepTimeModel:
                 fwd += 2 * one
                 bwd += (2 + 2 * self.ac) * one
                 ep_total += (4 + 2 * self.ac) * one
+                nic += (4 + 2 * self.ac) * one_nic
             if layout.cp > 1:
                 if a.is_kda_layer(layer):
                     state = rows * a.kda_num_heads * a.kda_head_dim * a.kda_head_dim * 4 * 2 * layout.cp
-                    x = net.ring(state, layout.cp)
+                    x, x_nic = net.ring(state, layout.cp), net.nic_ring(state, layout.cp)
                 else:
                     latent_cp = whole * (a.kv_lora_rank + a.qk_rope_head_dim) * 2
                     keys = whole * a.index_head_dim * 2 if a.has_indexer else 0.0
                     x = net.ring(latent_cp, layout.cp) + net.ring(keys, layout.cp)
+                    x_nic = net.nic_ring(latent_cp, layout.cp) + net.nic_ring(keys, layout.cp)
                 fwd += x
                 bwd += x * (1 + self.ac)
-        return fwd, bwd, ep_total
+                nic += x_nic * (2 + self.ac)
+        return fwd, bwd, ep_total, nic
 
     def _boundary_bytes(self, layer: int, tokens: int) -> float:
         """Hidden state and AttnRes bank crossing to the next stage after ``layer`` (and its gradient back)."""
@@ -247,13 +253,21 @@ class StepTimeModel:
         step_sync, wbytes, reduce_bytes = holding.accumulate_grads, self.dtype.itemsize, holding.reduce
         times, first_forward, transfer, notes = {}, {}, {}, []
         ep_per_stage, comm_f, comm_b, fsdp_end, fsdp_micro, gathers, layer_forward = {}, {}, {}, {}, {}, {}, {}
+        nic_micro, nic_step = {}, {}  # seconds on the rank's NIC per microbatch and per step
         counts = {s: self.stage_counts(r) for s, r in enumerate(ranges)}
         for s, work in works.items():
             f, i, w, missing = self._times(work, tokens, layout.cp, layout.ep)
             notes += missing
-            cf, cb, ep = self._layer_comm(layout, ranges[s], tokens)
+            cf, cb, ep, nic_micro[s] = self._layer_comm(layout, ranges[s], tokens)
             comm_f[s], comm_b[s], ep_per_stage[s] = cf, cb, ep
-            gather, scatter = self._fsdp_units(layout, counts[s], len(work.layers), wbytes, reduce_bytes)
+            units = self._fsdp_units(layout, counts[s], len(work.layers), wbytes, reduce_bytes)
+            gather = [net.ring(g, n, stride) for g, _, n, stride in units]
+            scatter = [net.ring(r, n, stride) for _, r, n, stride in units]
+            gather_nic = sum(net.nic_ring(g, n, stride) for g, _, n, stride in units)
+            scatter_nic = sum(net.nic_ring(r, n, stride) for _, r, n, stride in units)
+            # once per step (gathered for the step / reduced after the last backward) or every microbatch
+            nic_step[s] = (gather_nic if keep else 0.0) + (scatter_nic if step_sync else 0.0)
+            nic_micro[s] += (0.0 if keep else 2 * gather_nic) + (0.0 if step_sync else scatter_nic)
             layer_f, layer_b = f / max(1, len(gather)), (i + w) / max(1, len(gather))
             exposed_ag = _exposed(gather, layer_f)
             gathers[s], layer_forward[s] = gather, layer_f
@@ -268,6 +282,10 @@ class StepTimeModel:
             if plan is not None and s + 1 < plan.num_stages:
                 transfer[s] = net.point_to_point(self._boundary_bytes(ranges[s][1], tokens),
                                                  layout.world_size // layout.pp)
+        for s in transfer:  # the activations out of stage s, their gradient out of stage s + 1
+            boundary = net.nic_point_to_point(self._boundary_bytes(ranges[s][1], tokens), layout.world_size // layout.pp)
+            nic_micro[s] += boundary
+            nic_micro[s + 1] += boundary
         if plan is None:
             plan_used = PipelinePlan("GPipe", 1, 1, ranges)
         else:
@@ -309,6 +327,15 @@ class StepTimeModel:
             "FSDP (exposed)": fsdp,
             "optimizer": optimizer,
         }
+        # Every off-node byte of the step crosses the rank's NIC however the collectives overlap with compute and
+        # each other: the busiest NIC's seconds (+ its optimizer step) bound the step from below.
+        nic = max(sum(nic_micro[s] for s in plan_used.stages_of_rank(r)) * n_micro
+                  + sum(nic_step[s] for s in plan_used.stages_of_rank(r))
+                  + self._optimizer_s(layout, [counts[s] for s in plan_used.stages_of_rank(r)])
+                  for r in range(plan_used.pp)) + 2 * net.latency
+        if nic > step:
+            terms["NIC contention"] = nic - step
+            step = nic
         step_flops = sum(w.total.total for w in works.values()) * n_micro * layout.dp
         step_tokens = global_batch * t.seq_len
         memory, memory_note = self._memory(layout, plan_used, n_micro, counts, tokens)
@@ -331,19 +358,16 @@ class StepTimeModel:
                             fsdp)
 
     def _fsdp_units(self, layout: ParallelLayout, c: StageParams, layers: int, wbytes: int,
-                    reduce_bytes: int) -> tuple[list[float], list[float]]:
-        """Seconds of each FSDP unit's all-gather and of its gradients' reduce-scatter (the local experts are
-        units of their own when efsdp > 1)."""
-        net = self.s.network
-        units = [(u, u * c.dense / max(1, c.dense + c.dense_frozen)) for u in c.units]
+                    reduce_bytes: int) -> list[tuple[float, float, int, int]]:
+        """Each FSDP unit's (all-gather bytes, reduce-scatter bytes, group, rank stride): the dense units over
+        fsdp's consecutive ranks; the local experts, units of their own when efsdp > 1, over efsdp's ranks ep
+        apart."""
+        units = [(u * wbytes, u * c.dense / max(1, c.dense + c.dense_frozen) * reduce_bytes, layout.fsdp, 1)
+                 for u in c.units]
         if layout.efsdp > 1 and layers:
             local = (c.experts + c.experts_frozen) / layout.ep / layers
-            units += [(local, c.experts / layout.ep / layers)] * layers
-        # the dense units over fsdp's consecutive ranks, the experts' over efsdp's ranks ep apart
-        groups = [(layout.fsdp, 1) if i < len(c.units) else (layout.efsdp, layout.ep) for i in range(len(units))]
-        gather = [net.ring(u * wbytes, *group) for (u, _), group in zip(units, groups)]
-        scatter = [net.ring(g * reduce_bytes, *group) for (_, g), group in zip(units, groups)]
-        return gather, scatter
+            units += [(local * wbytes, c.experts / layout.ep / layers * reduce_bytes, layout.efsdp, layout.ep)] * layers
+        return units
 
     def _optimizer_s(self, layout: ParallelLayout, counts: list[StageParams]) -> float:
         params = sum((c.dense + c.experts) / layout.fsdp + c.fp32 for c in counts)
