@@ -45,25 +45,25 @@ class Network:
     def all_to_all(self, bytes_sent: float, group: int) -> float:
         if group <= 1 or bytes_sent <= 0:
             return 0.0
-        local = min(group, self.gpus_per_node)
-        intra = bytes_sent * (local - 1) / group
-        inter = bytes_sent * (group - local) / group
-        return max(intra / (self.nvlink_gb_per_s * 1e9), inter / (self.internode_gb_per_s * 1e9)) + self.latency
+        intra = bytes_sent * (min(group, self.gpus_per_node) - 1) / group
+        return max(intra / (self.nvlink_gb_per_s * 1e9), self.nic_all_to_all(bytes_sent, group)) + self.latency
 
     def ring(self, tensor_bytes: float, group: int, stride: int = 1) -> float:
         """An all-gather or a reduce-scatter of a whole tensor of ``tensor_bytes`` over ``group`` ranks
         ``stride`` apart."""
         if group <= 1 or tensor_bytes <= 0:
             return 0.0
-        bw = self.nvlink_gb_per_s if self.nodes(group, stride) == 1 else self.internode_gb_per_s
-        return tensor_bytes * (group - 1) / group / (bw * 1e9) + self.latency
+        if self.nodes(group, stride) > 1:  # the slowest link the ring crosses
+            return self.nic_ring(tensor_bytes, group, stride) + self.latency
+        return tensor_bytes * (group - 1) / group / (self.nvlink_gb_per_s * 1e9) + self.latency
 
     def point_to_point(self, nbytes: float, stride: int) -> float:
         """``nbytes`` to a rank ``stride`` ranks away."""
         if nbytes <= 0:
             return 0.0
-        bw = self.nvlink_gb_per_s if self._peer_on_node(stride) else self.internode_gb_per_s
-        return nbytes / (bw * 1e9) + self.latency
+        if self._peer_on_node(stride):
+            return nbytes / (self.nvlink_gb_per_s * 1e9) + self.latency
+        return self.nic_point_to_point(nbytes, stride) + self.latency
 
     def _peer_on_node(self, stride: int) -> bool:
         return stride < self.gpus_per_node and self.gpus_per_node % max(1, stride) == 0

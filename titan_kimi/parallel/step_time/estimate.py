@@ -253,7 +253,7 @@ class StepTimeModel:
         step_sync, wbytes, reduce_bytes = holding.accumulate_grads, self.dtype.itemsize, holding.reduce
         times, first_forward, transfer, notes = {}, {}, {}, []
         ep_per_stage, comm_f, comm_b, fsdp_end, fsdp_micro, gathers, layer_forward = {}, {}, {}, {}, {}, {}, {}
-        nic_micro, nic_step = {}, {}  # seconds on the rank's NIC per microbatch and per step
+        nic_micro, nic_step, boundary = {}, {}, {}  # seconds on the rank's NIC per microbatch and per step
         counts = {s: self.stage_counts(r) for s, r in enumerate(ranges)}
         for s, work in works.items():
             f, i, w, missing = self._times(work, tokens, layout.cp, layout.ep)
@@ -280,12 +280,12 @@ class StepTimeModel:
                 first_forward[s], fsdp_micro[s] = 0.0, (exposed_ag, _exposed(gather, layer_b) + scatter_micro)
             times[s] = StageTimes(f + cf + fsdp_micro[s][0], i + cb + fsdp_micro[s][1], w)
             if plan is not None and s + 1 < plan.num_stages:
-                transfer[s] = net.point_to_point(self._boundary_bytes(ranges[s][1], tokens),
-                                                 layout.world_size // layout.pp)
-        for s in transfer:  # the activations out of stage s, their gradient out of stage s + 1
-            boundary = net.nic_point_to_point(self._boundary_bytes(ranges[s][1], tokens), layout.world_size // layout.pp)
-            nic_micro[s] += boundary
-            nic_micro[s + 1] += boundary
+                boundary[s] = self._boundary_bytes(ranges[s][1], tokens)
+                transfer[s] = net.point_to_point(boundary[s], layout.world_size // layout.pp)
+        for s, nbytes in boundary.items():  # the activations out of stage s, their gradient out of stage s + 1
+            sent = net.nic_point_to_point(nbytes, layout.world_size // layout.pp)
+            nic_micro[s] += sent
+            nic_micro[s + 1] += sent
         if plan is None:
             plan_used = PipelinePlan("GPipe", 1, 1, ranges)
         else:
@@ -301,14 +301,14 @@ class StepTimeModel:
         timeline = simulate(plan_used, n_micro, times, transfer, first_forward)
         gathered = simulate(plan_used, n_micro, times, first_forward=first_forward)  # + the first gathers' delays
         # the step ends on the rank that finishes last: its timeline, its reduce-scatter, its optimizer step
-        ends = {}
+        ends, optimizers = {}, {}
         for r in range(plan_used.pp):
             stages = plan_used.stages_of_rank(r)
-            ends[r] = timeline.end[r] + sum(fsdp_end[s] for s in stages) + self._optimizer_s(
-                layout, [counts[s] for s in stages])
+            optimizers[r] = self._optimizer_s(layout, [counts[s] for s in stages])
+            ends[r] = timeline.end[r] + sum(fsdp_end[s] for s in stages) + optimizers[r]
         critical = max(ends, key=ends.get)
         stages = plan_used.stages_of_rank(critical)
-        optimizer = self._optimizer_s(layout, [counts[s] for s in stages])
+        optimizer = optimizers[critical]
         step = ends[critical] + 2 * net.latency  # the grad-norm and replicated-gradient all-reduces
         per_micro = lambda values: sum(values[s] for s in stages) * n_micro
         idle = lambda line: line.end[critical] - line.busy[critical]
@@ -329,9 +329,7 @@ class StepTimeModel:
         }
         # Every off-node byte of the step crosses the rank's NIC however the collectives overlap with compute and
         # each other: the busiest NIC's seconds (+ its optimizer step) bound the step from below.
-        nic = max(sum(nic_micro[s] for s in plan_used.stages_of_rank(r)) * n_micro
-                  + sum(nic_step[s] for s in plan_used.stages_of_rank(r))
-                  + self._optimizer_s(layout, [counts[s] for s in plan_used.stages_of_rank(r)])
+        nic = max(sum(nic_micro[s] * n_micro + nic_step[s] for s in plan_used.stages_of_rank(r)) + optimizers[r]
                   for r in range(plan_used.pp)) + 2 * net.latency
         if nic > step:
             terms["NIC contention"] = nic - step
