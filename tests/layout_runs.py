@@ -30,6 +30,10 @@ RUNS: dict[str, Run] = {
     "pp2_zbv": Run(2, (*RECIPE, *SHIPPED_STEPS, *PP_FLAVOR, *PP2,
                        "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble")),
     "pp2_ep2_fsdp2": Run(4, (*RECIPE, *SHIPPED_STEPS, *PP2, *EP2, *LOCAL_BATCH_4)),
+    # EP4 with rows moved node by node (4 ranks as 2 nodes of 2), each node's sums rounded to bf16.
+    "ep4_hierarchical": Run(4, (*RECIPE, *SHIPPED_STEPS, "--parallelism.expert_parallel_degree", "4",
+                                "--parallelism.expert_parallel_dispatch", "hierarchical",
+                                "--parallelism.expert_parallel_node_size", "2", "--training.local_batch_size", "2")),
     "cp2": Run(2, (*RECIPE, *SHIPPED_STEPS, *CP2)),
     "cp2_ep2": Run(2, (*RECIPE, *SHIPPED_STEPS, *CP2, *EP2)),
     "cp2_pp2": Run(4, (*RECIPE, *SHIPPED_STEPS, *CP2, *PP2)),

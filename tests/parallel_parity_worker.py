@@ -70,6 +70,11 @@ LAYOUTS = {
                             "--activation_checkpoint.mode", "selective", "--compile.mode", "default"],
     "ep2_full_ac": ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2",
                     "--activation_checkpoint.mode", "full"],
+    # Rows moved node by node (4 ranks as 2 nodes of 2: each token crosses once per node holding one of its
+    # experts), under full checkpointing, whose recompute runs the two levels again.
+    "ep4_hierarchical_full_ac": ["--parallelism.expert_parallel_degree", "4", "--parallelism.expert_parallel_dispatch",
+                                 "hierarchical", "--parallelism.expert_parallel_node_size", "2",
+                                 "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full"],
     # Norms, attention and FFN compiled apart (compile.granularity = module), inside FSDP2 units, under PP2.
     "pp2_fsdp2_module_compile": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
                                  "--training.global_batch_size", "4", "--compile.mode", "default",

@@ -5,10 +5,11 @@ import json
 import re
 
 import pytest
+import torch
 
 from tests.test_train import TINY, run_main
 from titan_kimi.parallel.pipeline_plan import plan_pipeline
-from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
+from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes, nodes_per_token
 from titan_kimi.parallel.step_time.schedules import StageTimes, peak_in_flight, rank_orders, simulate
 from titan_kimi.parallel.step_time.table import Table, merge_entries
 
@@ -75,6 +76,24 @@ def test_communication_costs():
     assert net.nic_point_to_point(1e6, 32) == pytest.approx(1e6 / 50e9) and net.nic_point_to_point(1e6, 4) == 0
     with pytest.raises(ValueError, match="bandwidths must be > 0"):
         Network(0.0, 50.0, 8, 1.0)
+
+
+def test_hierarchical_ep_exchange_sends_one_row_per_token_and_node():
+    # K3's top-16 of 896 experts at EP32 over 4 nodes: ~3.96 nodes per token, against a sample of the routing
+    torch.manual_seed(0)
+    choices = torch.rand(20000, 896).topk(16, dim=-1).indices
+    nodes_hit = torch.zeros(20000, 4, dtype=torch.bool).scatter_(1, choices // 224, True).sum(1).float().mean()
+    assert nodes_per_token(896, 16, 4) == pytest.approx(float(nodes_hit), rel=1e-2)
+    assert nodes_per_token(896, 16, 4) == pytest.approx(3.9617, abs=1e-4) and nodes_per_token(896, 1, 4) == 1.0
+    net = Network(nvlink_gb_per_s=400.0, internode_gb_per_s=50.0, gpus_per_node=8, latency_us=10.0)
+    sent = ep_all_to_all_bytes(4096, 16, 3584)
+    across = ep_all_to_all_bytes(4096, 1, 3584) * nodes_per_token(896, 16, 4)
+    # across: 3 of the 4 nodes' rows leave through the NIC; within: 7/8 of every (token, expert) row over NVLink
+    assert net.nic_node_all_to_all(across, 4) == pytest.approx(across * 3 / 4 / 50e9)
+    assert net.node_all_to_all(across, 4, sent, 8) == pytest.approx(across * 3 / 4 / 50e9 + sent * 7 / 8 / 400e9
+                                                                    + 2e-5)
+    assert net.nic_all_to_all(sent, 32) / net.nic_node_all_to_all(across, 4) == pytest.approx(4.04, abs=0.01)
+    assert net.node_all_to_all(across, 1, sent, 8) == 0.0 and net.nic_node_all_to_all(across, 1) == 0.0
 
 
 def test_table_lookups_scale_by_the_measured_rate_and_move_the_recomputed_forward(tmp_path):
@@ -182,3 +201,21 @@ def test_memory_drops_the_accumulated_gradients_when_they_are_reduced_every_micr
     assert always.gathered == (8000 + 8000) * 2 and step.shards == micro.shards == always.shards
     # step-end sync keeps every unit gathered from its first backward on, whatever reshard_after_forward says
     assert held(fsdp_reshard_after_forward="always").total == step.total
+
+
+def test_dry_run_models_the_hierarchical_ep_dispatch(capsys):
+    """EP4 over 2 nodes of 2 (k31_debug: top-2 of 8 experts): the flat dispatch puts half of each token's 2 rows
+    on the NIC, the hierarchical one a row per other node holding one of its experts (1.571 / 2 per token); with
+    NVLink and latency made negligible, the EP term shrinks by that ratio. An EP group inside one node is rejected."""
+    args = [*STEP_TIME, "--parallelism.pipeline_parallel_degree", "1", "--training.global_batch_size", "32",
+            "--parallelism.expert_parallel_degree", "4", "--step_time.gpus_per_node", "2",
+            "--step_time.latency_us", "0", "--step_time.nvlink_gb_per_s", "1e9"]
+    _, flat = _configured(run_main(capsys, *args))
+    out = run_main(capsys, *args, "--parallelism.expert_parallel_dispatch", "hierarchical")
+    assert "ep 4 (hierarchical), microbatch" in out
+    _, hierarchical = _configured(out)
+    ratio = hierarchical["EP all-to-all"] / flat["EP all-to-all"]
+    assert ratio == pytest.approx(nodes_per_token(8, 2, 2) / 2, rel=0.02)
+    with pytest.raises(ValueError, match="expert_parallel_degree 4 is not 2\\+ whole nodes of 4 ranks"):
+        run_main(capsys, *args, "--parallelism.expert_parallel_dispatch", "hierarchical",
+                 "--step_time.gpus_per_node", "4")

@@ -80,6 +80,7 @@ def check_degrees(cfg: JobConfig, world_size: int | None = None, *, image_text: 
         raise check.reject("parallelism.context_parallel_degree",
                            "with an image-text model: sharding sequences whose placeholders the model expands into "
                            "image positions is not built", "1 (the image-text recipes train without CP)")
+    _check_expert_dispatch(check, ep, p.expert_parallel_dispatch, p.expert_parallel_node_size)
     shard = p.data_parallel_shard_degree
     if shard != -1:
         _experts_fit(check, shard, cp, ep)
@@ -121,3 +122,30 @@ def _experts_fit(check: LayoutCheck, shard: int, cp: int, ep: int) -> None:
         raise check.reject("parallelism.expert_parallel_degree",
                            f"does not divide data_parallel_shard_degree ({shard}) * context_parallel_degree ({cp}) "
                            f"= {shard * cp}, the ranks experts are spread over", f"a divisor of {shard * cp}")
+
+
+
+NODE_GROUPS_VALID = "2+ ranks per node and an EP degree of 2+ whole nodes (a multiple of the node size, at least twice it)"
+
+
+def _check_expert_dispatch(check: LayoutCheck, ep: int, dispatch: str, node_size: int) -> None:
+    if dispatch != "hierarchical":
+        return
+    if ep == 1:
+        raise check.reject("parallelism.expert_parallel_dispatch",
+                           f"needs expert parallelism ({check.other('parallelism.expert_parallel_degree')})",
+                           "flat, or expert_parallel_degree spanning 2+ nodes")
+    problem = node_groups_problem(ep, node_size) if node_size else None
+    if problem:
+        raise check.reject("parallelism.expert_parallel_node_size", f"with expert_parallel_dispatch = hierarchical: "
+                           f"{problem}", f"{NODE_GROUPS_VALID}, or the flat dispatch")
+
+
+def node_groups_problem(ep: int, node_size: int) -> str | None:
+    """Why an EP group of ``ep`` consecutive ranks cannot take the hierarchical dispatch over nodes of
+    ``node_size`` ranks (None when it can)."""
+    if node_size < 2:
+        return f"nodes of {node_size} rank(s) have nothing to fan out over"
+    if ep % node_size or ep // node_size < 2:
+        return f"expert_parallel_degree {ep} is not 2+ whole nodes of {node_size} ranks"
+    return None

@@ -157,6 +157,16 @@ class Parallelism:
     expert_parallel_degree: int = option(
         1, "expert parallelism for the MoE experts (borrows from data_parallel_shard * context_parallel)",
         bounds=at_least(1))
+    expert_parallel_dispatch: str = option(
+        "flat", "how expert parallelism moves the routed rows: flat = one all-to-all over the EP group each way "
+        "(torchtitan's: a token goes once to every EP rank holding one of its experts); hierarchical = across "
+        "nodes once per node (to the rank of the same local index there), then over the node to the experts' "
+        "ranks, the combine summing each node's weighted outputs before they cross back (fewer bytes on the "
+        "network when a token's experts share nodes; the node sums round to the compute dtype). Needs an EP "
+        "group of 2+ whole nodes (expert_parallel_node_size)", choices=("flat", "hierarchical"))
+    expert_parallel_node_size: int = option(
+        0, "ranks per node for the hierarchical dispatch; 0 = the launcher's LOCAL_WORLD_SIZE (torchrun's "
+        "ranks per node)", bounds=at_least(0))
     pipeline_prefetch_weights: bool = option(
         False, "pipeline parallelism with FSDP: from the second step on, start gathering every FSDP unit of this "
         "rank's stages when the step begins (asynchronously, in forward order) rather than in the first "

@@ -38,6 +38,8 @@ class ParallelLayout:
     cp_layout: str = "zigzag"  # how each sequence is split over the cp ranks (lowerings.ops.sequence_shards)
     local_batch_size: int = 1  # sequences per rank per micro-step
     global_batch_size: int = 1  # sequences per optimizer step, over all data-parallel ranks
+    ep_dispatch: str = "flat"  # parallelism.expert_parallel_dispatch
+    ep_node_size: int = 0  # parallelism.expert_parallel_node_size (0: the launcher's ranks per node)
 
     @property
     def dp(self) -> int:
@@ -59,10 +61,17 @@ class ParallelLayout:
         """Micro-steps per optimizer step: the global batch over the data-parallel ranks' local batches."""
         return self.global_batch_size // (self.local_batch_size * self.dp)
 
+    @property
+    def ep_dispatch_note(self) -> str:
+        """`` (hierarchical[ over nodes of N])`` for the node-level expert dispatch, else nothing."""
+        if self.ep_dispatch != "hierarchical":
+            return ""
+        return f" (hierarchical{f' over nodes of {self.ep_node_size}' if self.ep_node_size else ''})"
+
     def describe(self) -> str:
         cp = f"cp {self.cp} ({self.cp_layout})" if self.cp > 1 else "cp 1"
         text = (f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
-                f"{cp} x pp {self.pp}; ep {self.ep} x efsdp {self.efsdp} inside dp_shard x cp")
+                f"{cp} x pp {self.pp}; ep {self.ep}{self.ep_dispatch_note} x efsdp {self.efsdp} inside dp_shard x cp")
         if self.pipeline is not None:
             p = self.pipeline
             text += (f"; {p.schedule}, {p.num_stages} stages ({p.stages_per_rank} per rank), microbatches of "
@@ -119,7 +128,7 @@ def check_layout(cfg: JobConfig, world_size: int | None = None, args: KimiK3Mode
         return None
     global_batch = t.global_batch_size if t.global_batch_size != -1 else local * rep * shard
     return ParallelLayout(world_size, rep, shard, cp, pp, ep, plan, mb, p.context_parallel_layout, local,
-                          global_batch)
+                          global_batch, p.expert_parallel_dispatch, p.expert_parallel_node_size)
 
 
 def _check_microbatches(check: LayoutCheck, plan: PipelinePlan, local_batch_size: int,

@@ -46,7 +46,8 @@ def parallelize(model: KimiK3Model, cfg, meshes: Meshes, device: torch.device) -
     dp_shard x cp, so expert parallelism always has one)."""
     layout = meshes.layout
     if layout.ep > 1:
-        apply_expert_parallel(model, meshes.ep)
+        apply_expert_parallel(model, meshes.ep, cfg.parallelism.expert_parallel_dispatch,
+                              cfg.parallelism.expert_parallel_node_size)
     _ac_and_compile(model, cfg, experts_outside=layout.ep > 1)
     dense = meshes.dense
     if dense is None:

@@ -81,6 +81,15 @@ class GroupedExperts(nn.Module):
                                            align=row_alignment(self.gemm_precision))
         return self.run(self.w13, self.w2, x, num_tokens_per_expert)
 
+    def route(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+              num_tokens_per_expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The routed path: each token's latent row ``z [T, L]`` through its experts ``indices [T, k]``, the
+        outputs weighted by ``weights [T, k]`` and summed in fp32 (over the bf16-rounded expert outputs) ->
+        ``[T, L]`` in ``dtype``. Expert parallelism wraps ``forward``; its node-level dispatch
+        (``titan_kimi.parallel.expert_node_dispatch``) replaces this."""
+        routing = ops.route_rows(torch.argsort(indices.view(-1), stable=True), indices.shape[1])
+        return ops.combine_rows(self(ops.dispatch_rows(z, routing), num_tokens_per_expert), routing, weights, dtype)
+
     def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
             num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """The expert MLPs on ``x`` whose rows are grouped by expert (``num_tokens_per_expert`` rows each)."""
@@ -168,16 +177,11 @@ class LatentMoE(nn.Module):
         weights, indices = self.router(x)
         z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
         flat = indices.view(-1)
-        order = torch.argsort(flat, stable=True)
         # histc keeps the output shape static (bincount's is data dependent), which compile needs.
         counts_f = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_f)
-        counts = counts_f.to(torch.int64)
-        routing = ops.route_rows(order, self.top_k)
-        routed = self.experts(ops.dispatch_rows(z, routing), counts)
-        # Router weights act after the down-projection, summed in fp32 over the bf16-rounded expert outputs.
-        r = ops.combine_rows(routed, routing, weights, x.dtype)
+        r = self.experts.route(z, weights, indices, counts_f.to(torch.int64), x.dtype)
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         y = self.routed_expert_up_proj(r) if self.routed_expert_up_proj is not None else r

@@ -11,6 +11,9 @@ them sits on its own node. A group of ``g`` ranks ``stride`` apart spans the nod
   part over NVLink, the rest over the rank's own NIC, whichever takes longer, plus one latency;
 - all-gather / reduce-scatter of a tensor of ``S`` bytes (whole size) over ``g`` ranks: a ring moving
   ``S (g - 1) / g`` per rank at the slowest link the group crosses, plus one latency;
+- the hierarchical EP exchange (``expert_parallel_dispatch = hierarchical``): one all-to-all across nodes among
+  the ranks of one local index, carrying one row per (token, node holding one of its experts), then one over
+  NVLink inside the node carrying every (token, expert) row; in sequence, two latencies;
 - point-to-point (pipeline): ``B`` bytes over NVLink or the NIC, plus one latency;
 - the NIC's load: each collective's off-node bytes at the inter-node bandwidth (``nic_*``), summed over a step,
   bounds the step from below however the collectives overlap with compute and each other.
@@ -18,6 +21,7 @@ them sits on its own node. A group of ``g`` ranks ``stride`` apart spans the nod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -48,6 +52,14 @@ class Network:
         intra = bytes_sent * (min(group, self.gpus_per_node) - 1) / group
         return max(intra / (self.nvlink_gb_per_s * 1e9), self.nic_all_to_all(bytes_sent, group)) + self.latency
 
+    def node_all_to_all(self, across_bytes: float, nodes: int, within_bytes: float, node_size: int) -> float:
+        """The hierarchical EP exchange: ``across_bytes`` sent per rank spread over ``nodes`` nodes (its own
+        node's share stays), then ``within_bytes`` spread over the ``node_size`` ranks of its node."""
+        if nodes <= 1 or within_bytes <= 0:
+            return 0.0
+        within = within_bytes * (node_size - 1) / node_size / (self.nvlink_gb_per_s * 1e9)
+        return self.nic_node_all_to_all(across_bytes, nodes) + within + 2 * self.latency
+
     def ring(self, tensor_bytes: float, group: int, stride: int = 1) -> float:
         """An all-gather or a reduce-scatter of a whole tensor of ``tensor_bytes`` over ``group`` ranks
         ``stride`` apart."""
@@ -75,6 +87,9 @@ class Network:
             return 0.0
         return bytes_sent * (group - min(group, self.gpus_per_node)) / group / (self.internode_gb_per_s * 1e9)
 
+    def nic_node_all_to_all(self, across_bytes: float, nodes: int) -> float:
+        return across_bytes * (nodes - 1) / nodes / (self.internode_gb_per_s * 1e9) if nodes > 1 else 0.0
+
     def nic_ring(self, tensor_bytes: float, group: int, stride: int = 1) -> float:
         if group <= 1 or tensor_bytes <= 0 or self.nodes(group, stride) == 1:
             return 0.0
@@ -93,3 +108,10 @@ class Network:
 def ep_all_to_all_bytes(tokens: int, top_k: int, latent: int, element_bytes: int = 2) -> float:
     """Bytes one rank sends in one EP all-to-all of a MoE layer: its routed rows in the latent width."""
     return float(tokens * top_k * latent * element_bytes)
+
+
+def nodes_per_token(num_experts: int, top_k: int, nodes: int) -> float:
+    """Expected distinct nodes holding a token's ``top_k`` distinct experts, drawn uniformly from ``num_experts``
+    split evenly over ``nodes`` (K3 at EP32 over 4 nodes: 3.96)."""
+    per_node = num_experts // nodes
+    return nodes * (1 - math.comb(num_experts - per_node, top_k) / math.comb(num_experts, top_k))

@@ -26,7 +26,7 @@ def short(e: StepEstimate) -> str:
     """``pp 8 1F1B x dp_shard 32 x cp 1, ep 32, microbatch 1[, FSDP settings]``."""
     layout, plan = e.layout, e.layout.pipeline
     pipe = f"pp {layout.pp} {plan.schedule}" if plan is not None else "pp 1"
-    return (f"{pipe} x dp_shard {layout.dp_shard} x cp {layout.cp}, ep {layout.ep}, microbatch "
+    return (f"{pipe} x dp_shard {layout.dp_shard} x cp {layout.cp}, ep {layout.ep}{layout.ep_dispatch_note}, microbatch "
             f"{layout.microbatch_size if plan is not None else '-'}" + (f", {e.fsdp}" if e.fsdp else ""))
 
 
@@ -56,7 +56,7 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
             if schedule == layout.pipeline.schedule:
                 continue
             c = variant(cfg, layout.world_size, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-                        microbatch=layout.microbatch_size, schedule=schedule)
+                        microbatch=layout.microbatch_size, schedule=schedule, dispatch=layout.ep_dispatch)
             try:
                 other = resolve_layout(c, layout.world_size, args, image_text=vision is not None)
                 validate_job_config(c, None, layout.world_size, check_registry=False)  # the trainer's rules too

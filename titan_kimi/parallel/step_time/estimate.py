@@ -4,7 +4,8 @@ does. See docs/step_time_model.md for the equations and what overlaps.
 
 What runs where (torchtitan 0.2.2 + torch.distributed.pipelining as this project drives them):
 - the EP dispatch and combine (torchtitan's ExpertParallel) are synchronous inside the MoE forward: exposed,
-  2 all-to-alls in the forward, 2 in the backward, and 2 more when activation checkpointing recomputes it;
+  2 all-to-alls in the forward, 2 in the backward, and 2 more when activation checkpointing recomputes it
+  (the hierarchical dispatch: each of them one exchange across nodes, then one inside the node);
 - context-parallel exchanges are synchronous inside the layers: exposed (recomputed under checkpointing too);
 - FSDP2 prefetches the next unit's all-gather while a unit computes: only what a layer's compute cannot hide
   is exposed. Under pipeline parallelism the units stay gathered for the step (gathered in the first
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.layer_flops import LayerFlops, row_segments
@@ -29,7 +31,7 @@ from titan_kimi.parallel.pipeline_plan import PipelinePlan
 from titan_kimi.parallel.rank_slice.microbatch import DEFAULT_ROWS, doc_ids_for, image_grid, parse_rows
 from titan_kimi.parallel.stage_params import (StageParams, compute_dtype, count_stage_params, holding_from_config,
                                               rank_bytes)
-from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes
+from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes, nodes_per_token
 from titan_kimi.parallel.step_time.schedules import (StageTimes, Timeline, peak_in_flight, rank_orders, simulate,
                                                      uses_split_backward)
 from titan_kimi.parallel.step_time.stage_work import StageWork, stage_work, without_block_start
@@ -205,7 +207,19 @@ class StepTimeModel:
         fwd = bwd = ep_total = nic = 0.0
         latent = a.moe_latent_dim or a.dim
         sent = ep_all_to_all_bytes(tokens, a.num_experts_per_tok, latent) * factor
-        one, one_nic = net.all_to_all(sent, layout.ep), net.nic_all_to_all(sent, layout.ep)
+        if layout.ep_dispatch == "hierarchical":
+            node = layout.ep_node_size or net.gpus_per_node
+            problem = node_groups_problem(layout.ep, node)
+            if problem:
+                raise ValueError(f"step time: parallelism.expert_parallel_dispatch = hierarchical over nodes of "
+                                 f"{node} ranks (expert_parallel_node_size, else step_time.gpus_per_node): "
+                                 f"{problem}; valid: {NODE_GROUPS_VALID}")
+            nodes = layout.ep // node
+            across = ep_all_to_all_bytes(tokens, 1, latent) * nodes_per_token(a.num_experts, a.num_experts_per_tok,
+                                                                               nodes) * factor
+            one, one_nic = net.node_all_to_all(across, nodes, sent, node), net.nic_node_all_to_all(across, nodes)
+        else:
+            one, one_nic = net.all_to_all(sent, layout.ep), net.nic_all_to_all(sent, layout.ep)
         rows = layout.microbatch_size if layout.pipeline is not None else self.cfg.training.local_batch_size
         whole = rows * self.cfg.training.seq_len  # the CP group's tokens
         for layer in range(*layer_range):

@@ -1,8 +1,8 @@
 """The layouts a GPU count allows for a recipe, each estimated, and the fastest that fits.
 
 Candidates keep the recipe's global batch, sequence length, model and activation checkpointing, and vary
-pipeline degree and schedule, context parallelism, expert parallelism and the microbatch size (dp_shard takes
-the ranks left, dp_replicate stays 1). Whether one is valid is decided where the trainer decides it: the layout's
+pipeline degree and schedule, context parallelism, expert parallelism and its dispatch (hierarchical where the EP
+group spans 2+ whole nodes) and the microbatch size (dp_shard takes the ranks left, dp_replicate stays 1). Whether one is valid is decided where the trainer decides it: the layout's
 one check (``resolve_layout``, with the model and whether it is image-text) and the other config rules
 (``validate_job_config`` at that world size); nothing is re-checked here.
 """
@@ -13,6 +13,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
+from titan_kimi.config.parallelism import node_groups_problem
 from titan_kimi.config.validation import validate_job_config
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.step_time.estimate import StepEstimate, StepTimeModel
@@ -31,11 +32,11 @@ class Candidate:
 
 
 def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int, schedule: str,
-            fsdp: tuple[str, bool, str] | None = None):
+            fsdp: tuple[str, bool, str] | None = None, dispatch: str = "flat"):
     """``cfg`` with these degrees at ``world_size`` GPUs (the recipe's global batch spread over the data-parallel
     ranks), or None when the batch does not spread. ``fsdp``: (fsdp_reshard_after_forward,
     pipeline_prefetch_weights, pipeline_gradient_sync); None keeps the recipe's (the prefetch and the gradient
-    sync only under pipeline parallelism)."""
+    sync only under pipeline parallelism). ``dispatch``: parallelism.expert_parallel_dispatch."""
     t = cfg.training
     dp = world_size // (pp * cp)
     global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
@@ -47,7 +48,7 @@ def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int,
     out = copy.copy(cfg)  # the sections that change are new objects; the others are shared
     out.parallelism = dataclasses.replace(
         cfg.parallelism, pipeline_parallel_degree=pp, context_parallel_degree=cp, expert_parallel_degree=ep,
-        data_parallel_shard_degree=-1, data_parallel_replicate_degree=1,
+        expert_parallel_dispatch=dispatch, data_parallel_shard_degree=-1, data_parallel_replicate_degree=1,
         pipeline_parallel_schedule=schedule if pp > 1 else "1F1B", pipeline_parallel_stages_per_rank=0,
         pipeline_parallel_split=[], pipeline_parallel_microbatch_size=microbatch if pp > 1 else 1,
         fsdp_reshard_after_forward=reshard, pipeline_prefetch_weights=prefetch, pipeline_gradient_sync=sync)
@@ -63,9 +64,10 @@ def candidates(cfg, args, world_size: int, *, image_text: bool = False) -> tuple
     experts = sorted({*EXPERT_DEGREES, cfg.parallelism.expert_parallel_degree})
     for pp in PIPELINE_DEGREES:
         for cp in CONTEXT_DEGREES:
-            for ep in experts:
+            for ep, dispatch in [(ep, d) for ep in experts for d in _dispatches(cfg, ep)]:
                 for mb, schedule, fsdp in _pipelines(cfg, pp):
-                    c = variant(cfg, world_size, pp=pp, cp=cp, ep=ep, microbatch=mb, schedule=schedule, fsdp=fsdp)
+                    c = variant(cfg, world_size, pp=pp, cp=cp, ep=ep, microbatch=mb, schedule=schedule, fsdp=fsdp,
+                                dispatch=dispatch)
                     if c is None:
                         continue
                     try:  # the layout's own checks first: they are the cheaper ones
@@ -79,6 +81,13 @@ def candidates(cfg, args, world_size: int, *, image_text: bool = False) -> tuple
                         seen.add(key)
                         found.append(Candidate(c, layout))
     return found, rejected
+
+
+def _dispatches(cfg, ep: int) -> list[str]:
+    """The EP dispatches an EP degree allows: hierarchical where the group is 2+ whole nodes (of the recipe's
+    expert_parallel_node_size, else step_time.gpus_per_node)."""
+    node = cfg.parallelism.expert_parallel_node_size or cfg.step_time.gpus_per_node
+    return ["flat"] if ep == 1 or node_groups_problem(ep, node) else ["flat", "hierarchical"]
 
 
 def _pipelines(cfg, pp: int) -> list[tuple[int, str, tuple[str, bool, str]]]:

@@ -1,0 +1,130 @@
+"""Expert parallelism with each token crossing to a node once (``parallelism.expert_parallel_dispatch =
+hierarchical``).
+
+torchtitan's dispatch sends a token once to every EP rank holding one of its experts: at K3's top-16 over EP32
+(4 nodes of 8) a token's 16 experts sit on ~12.8 ranks of ~3.96 nodes, so ~12 copies of it cross the network
+where ~3 would do (docs/step_time_model.md). Here the EP group is ``nodes x ranks_per_node`` and a MoE layer's
+routed path runs in two levels:
+
+1. across nodes: each token goes once to every node holding one of its experts, to the rank of the same local
+   index there (the relay), with its experts on that node and their router weights;
+2. inside the node: the relay's rows go to the experts' ranks by torchtitan's all-to-all over the node's ranks
+   (the flat dispatch, permutation and grouped GEMMs of ``expert_parallel``), and come back;
+3. the relay sums each token's weighted outputs of its node's experts in fp32, rounded to the compute dtype,
+   and that one row per (token, node) crosses back; the token's rank sums its nodes' rows in fp32.
+
+Forward and gradients equal the flat dispatch's up to the rounding of each node's sum (none in fp32). The weights
+are sharded over the whole EP group as under the flat dispatch; only the row movement differs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
+from titan_kimi.parallel.expert_parallel import ExpertShardGroupedExperts, expert_shard_class
+
+
+class NodeDispatchExperts(ExpertShardGroupedExperts):
+    """The routed experts of one EP rank whose ``route`` moves rows node by node (set up by
+    ``apply_node_dispatch``: ``across`` and ``node`` meshes, torchtitan's ``ExpertParallel`` for the node level)."""
+
+    across: DeviceMesh
+    node: DeviceMesh
+    node_style: object
+
+    def route(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
+              num_tokens_per_expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        nodes = self.across.size()
+        per_node = self.num_experts // nodes
+        tokens, k = indices.shape
+        node_of = indices // per_node  # [T, k]
+        hit = torch.zeros(tokens, nodes, dtype=torch.bool, device=z.device).scatter_(1, node_of, True)
+        pair_node, pair_token = hit.t().nonzero(as_tuple=True)  # (token, node) pairs, grouped by node
+        on_node = node_of[pair_token] == pair_node.unsqueeze(1)  # [P, k]: which of the token's choices are there
+        experts = torch.where(on_node, indices[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
+        pair_weights = torch.where(on_node, weights[pair_token], 0.0)
+        send = hit.sum(0)
+        group = self.across.get_group()
+        recv = _exchange(send, group)
+        send_splits, recv_splits = send.tolist(), recv.tolist()
+        rows = all_to_all_single_autograd(z[pair_token], recv_splits, send_splits, group)
+        relay_weights = all_to_all_single_autograd(pair_weights, recv_splits, send_splits, group)
+        with torch.no_grad():
+            relay_experts = _wait(all_to_all_single(experts, recv_splits, send_splits, group))
+        sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
+        back = all_to_all_single_autograd(sums, send_splits, recv_splits, group)
+        total = back.new_zeros(tokens, back.shape[1], dtype=torch.float32)
+        return total.index_add(0, pair_token, back.float()).to(dtype)
+
+    def _node_level(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, per_node: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """On the relay: ``rows [P, L]`` with their node-local ``experts [P, k]`` (-1: not on this node) and
+        ``weights [P, k]`` -> each row's weighted sum over its experts here, ``[P, L]`` in ``dtype``."""
+        key = torch.where(experts < 0, per_node, experts).view(-1)  # absent choices sort last
+        counts = torch.bincount(key, minlength=per_node + 1)
+        order = torch.argsort(key, stable=True)[:key.numel() - int(counts[per_node])]
+        source = order // experts.shape[1]  # each present choice's row
+        style, node = self.node_style, self.node
+        routed, local_counts = style._token_dispatch(self, (rows.index_select(0, source), counts[:per_node]), node)
+        out = style._token_combine(self, self(routed, local_counts), node)  # FSDP gathers around the call
+        weighted = out.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        return weighted.new_zeros(rows.shape[0], out.shape[1]).index_add(0, source, weighted).to(dtype)
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def _exchange(counts: torch.Tensor, group) -> torch.Tensor:
+    """Each rank's ``counts [n]`` (entry j for rank j of ``group``) -> what every rank sends to this one."""
+    return _wait(all_to_all_single(counts, None, None, group))
+
+
+@functools.cache
+def node_dispatch_class(cls: type) -> type:
+    """``NodeDispatchExperts`` over ``expert_shard_class(cls)`` (LoRA's adapted experts keep their ``run``)."""
+    shard = expert_shard_class(cls)
+    if issubclass(shard, NodeDispatchExperts):
+        return shard
+    return type(f"NodeDispatch{cls.__name__}", (NodeDispatchExperts, shard), {})
+
+
+@functools.cache
+def node_meshes(ep_mesh: DeviceMesh, node_size: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """(across, node): the EP group as ``nodes x node_size`` ranks; ``across`` holds this rank's peers of the same
+    local index on the other nodes, ``node`` the EP ranks of its own node. ``node_size`` 0: LOCAL_WORLD_SIZE.
+    Once per EP mesh (every pipeline stage of a rank shares it)."""
+    source = "parallelism.expert_parallel_node_size"
+    if not node_size:
+        node_size, source = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), "the launcher's LOCAL_WORLD_SIZE"
+    ep = ep_mesh.size()
+    problem = node_groups_problem(ep, node_size)
+    ranks = dist.get_process_group_ranks(ep_mesh.get_group())
+    if problem is None and any(r // node_size != ranks[i - i % node_size] // node_size or
+                               (i % node_size == 0 and r % node_size) for i, r in enumerate(ranks)):
+        problem = f"the EP group's ranks {ranks} are not whole nodes of {node_size} consecutive ranks"
+    if problem:
+        raise ValueError(f"parallelism.expert_parallel_dispatch = hierarchical with nodes of {node_size} ranks "
+                         f"({source}): {problem}; valid: {NODE_GROUPS_VALID}, or expert_parallel_dispatch = flat")
+    mesh = ep_mesh._unflatten(0, (ep // node_size, node_size), ("ep_across", "ep_node"))
+    return mesh["ep_across"], mesh["ep_node"]
+
+
+def apply_node_dispatch(experts: nn.Module, ep_mesh: DeviceMesh, node_size: int) -> None:
+    """Shard ``experts`` over ``ep_mesh`` as torchtitan's ``ExpertParallel`` does, with the node-level routed path
+    in place of its all-to-all hooks."""
+    from torch.distributed.tensor import distribute_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    across, node = node_meshes(ep_mesh, node_size)
+    style = ExpertParallel()
+    experts.__class__ = node_dispatch_class(type(experts))
+    distribute_module(experts, ep_mesh, style._partition_fn)  # the weights' shards; no input or output hooks
+    experts.across, experts.node, experts.node_style = across, node, style
