@@ -44,7 +44,7 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
               num_tokens_per_expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         nodes = self.across.size()
         per_node = self.num_experts // nodes
-        tokens, k = indices.shape
+        tokens = indices.shape[0]
         node_of = indices // per_node  # [T, k]
         hit = torch.zeros(tokens, nodes, dtype=torch.bool, device=z.device).scatter_(1, node_of, True)
         pair_node, pair_token = hit.t().nonzero(as_tuple=True)  # (token, node) pairs, grouped by node
