@@ -186,9 +186,9 @@ def test_memory_drops_the_accumulated_gradients_when_they_are_reduced_every_micr
     stage = StageParams(dense=1000, dense_frozen=0, experts=64000, experts_frozen=0, fp32=0, fp32_frozen=0,
                         units=(400, 300, 300), expert_units=(32000, 32000))
 
-    def held(**parallelism):
+    def held(pp=2, **parallelism):
         c = dataclasses.replace(cfg, parallelism=dataclasses.replace(
-            cfg.parallelism, pipeline_parallel_degree=2, expert_parallel_degree=4, **parallelism))
+            cfg.parallelism, pipeline_parallel_degree=pp, expert_parallel_degree=4, **parallelism))
         layout = resolve_layout(c, 16, model_args_for("k31_debug"))
         return rank_bytes(stage, fsdp=layout.fsdp, efsdp=layout.efsdp, holding=holding_from_config(c, layout))
 
@@ -201,6 +201,9 @@ def test_memory_drops_the_accumulated_gradients_when_they_are_reduced_every_micr
     assert always.gathered == (8000 + 8000) * 2 and step.shards == micro.shards == always.shards
     # step-end sync keeps every unit gathered from its first backward on, whatever reshard_after_forward says
     assert held(fsdp_reshard_after_forward="always").total == step.total
+    # without PP: two units gathered at a time, or every unit from its forward to its backward with "never"
+    assert held(pp=1).gathered == (8000 + 8000) * 2
+    assert held(pp=1, fsdp_reshard_after_forward="never").gathered == (1000 + 2 * 8000) * 2
 
 
 def test_dry_run_models_the_hierarchical_ep_dispatch(capsys):

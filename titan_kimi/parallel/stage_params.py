@@ -81,7 +81,8 @@ class RankBytes:
 class Holding:
     """How one rank holds a stage's parameters: bytes per element of the shards (``shard``: the stored weights
     and their gradients), the gathered weights (``weight``: the compute dtype), each Adam moment (``state``) and
-    the reduced gradients (``reduce``); whether the gathered units stay for the whole step (``keep_gathered``)
+    the reduced gradients (``reduce``); whether every gathered unit is held at once (``keep_gathered``: for
+    the whole step under pipeline parallelism, from the forward to the backward without)
     and whether their unsharded gradients accumulate over its microbatches (``accumulate_grads``)."""
 
     shard: int
@@ -103,14 +104,15 @@ def holding_from_config(cfg, layout: ParallelLayout) -> Holding:
     gradient sync and the reshard after backward off for every microbatch (``pipeline_gradient_sync = step``):
     every unit stays gathered from its first backward to the step's end whatever ``reshard_after_forward`` says,
     and its gradients accumulate unsharded. ``microbatch`` reduce-scatters in every backward, and the gathered
-    units stay only when ``reshard_after_forward`` is off."""
+    units stay only when ``reshard_after_forward`` is off. Without pipeline parallelism a unit that does not
+    reshard after its forward stays gathered until its backward: at the backward's start, every unit."""
     t, pipeline = cfg.training, layout.pp > 1
     step_sync = pipeline and cfg.parallelism.pipeline_gradient_sync == "step"
     reshard = reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=pipeline)
     # parallelize passes reduce_dtype with or without mixed precision
     return Holding(shard=DTYPES[cfg.model.dtype].itemsize, weight=compute_dtype(cfg).itemsize,
                    state=DTYPES[cfg.optimizer.state_dtype].itemsize, reduce=DTYPES[t.reduce_dtype].itemsize,
-                   keep_gathered=pipeline and (step_sync or not reshard), accumulate_grads=step_sync)
+                   keep_gathered=step_sync or not reshard, accumulate_grads=step_sync)
 
 
 def rank_bytes(p: StageParams, *, fsdp: int, efsdp: int, holding: Holding) -> RankBytes:
