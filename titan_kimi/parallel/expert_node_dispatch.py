@@ -34,7 +34,7 @@ from titan_kimi.parallel.expert_parallel import ExpertShardGroupedExperts, exper
 
 class NodeDispatchExperts(ExpertShardGroupedExperts):
     """The routed experts of one EP rank whose ``route`` moves rows node by node (set up by
-    ``apply_node_dispatch``: ``across`` and ``node`` meshes, torchtitan's ``ExpertParallel`` for the node level)."""
+    ``shard_by_node``: ``across`` and ``node`` meshes, torchtitan's ``ExpertParallel`` for the node level)."""
 
     across: DeviceMesh
     node: DeviceMesh
@@ -117,9 +117,9 @@ def node_meshes(ep_mesh: DeviceMesh, node_size: int) -> tuple[DeviceMesh, Device
     return mesh["ep_across"], mesh["ep_node"]
 
 
-def apply_node_dispatch(experts: nn.Module, ep_mesh: DeviceMesh, node_size: int) -> None:
+def shard_by_node(experts: nn.Module, ep_mesh: DeviceMesh, node_size: int = 0) -> None:
     """Shard ``experts`` over ``ep_mesh`` as torchtitan's ``ExpertParallel`` does, with the node-level routed path
-    in place of its all-to-all hooks."""
+    in place of its all-to-all hooks (``apply_expert_parallel``'s ``shard``, ``node_size`` bound)."""
     from torch.distributed.tensor import distribute_module
     from torchtitan.distributed.expert_parallel import ExpertParallel
 

@@ -11,6 +11,7 @@ copy is skipped).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -75,27 +76,25 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for block in model.layers.values() if getattr(block, "moe_enabled", False)]
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: str = "flat", node_size: int = 0) -> None:
-    """Shard every MoE layer's routed experts over ``ep_mesh`` (call before FSDP and compile). ``dispatch``
-    (``parallelism.expert_parallel_dispatch``): ``flat`` is torchtitan's all-to-all; ``hierarchical`` moves rows
-    node by node over nodes of ``node_size`` ranks (``titan_kimi.parallel.expert_node_dispatch``)."""
+def shard_flat(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """torchtitan's ``ExpertParallel``: the experts' shards, fed by its all-to-all hooks."""
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
-    from titan_kimi.parallel.expert_node_dispatch import apply_node_dispatch
+    experts.__class__ = expert_shard_class(type(experts))
+    parallelize_module(experts, ep_mesh, ExpertParallel())
 
-    if dispatch not in ("flat", "hierarchical"):
-        raise ValueError(f"expert dispatch {dispatch!r}: expected flat or hierarchical")
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,
+                          shard: Callable[[nn.Module, DeviceMesh], None] = shard_flat) -> None:
+    """Shard every MoE layer's routed experts over ``ep_mesh`` (call before FSDP and compile) by ``shard``:
+    ``shard_flat``, or the hierarchical dispatch's (``titan_kimi.parallel.expert_node_dispatch``)."""
     _permutation_on_any_device()
     for block in moe_blocks(model):
         experts = block.moe.experts
         if experts.num_experts % ep_mesh.size():
             raise ValueError(f"{experts.num_experts} experts cannot be split over {ep_mesh.size()} EP ranks")
         frozen = [name for name, p in experts.named_parameters(recurse=False) if not p.requires_grad]
-        if dispatch == "hierarchical":
-            apply_node_dispatch(experts, ep_mesh, node_size)
-        else:
-            experts.__class__ = expert_shard_class(type(experts))
-            parallelize_module(experts, ep_mesh, ExpertParallel())
+        shard(experts, ep_mesh)
         for name in frozen:  # the EP styles re-register the shards as new (trainable) Parameters
             getattr(experts, name).requires_grad_(False)

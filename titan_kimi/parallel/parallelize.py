@@ -4,6 +4,8 @@ module: the trainer passes its ``ContextParallel`` to each forward (``titan_kimi
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lowerings.ops.expert_gemm import row_alignment
@@ -12,7 +14,8 @@ from titan_kimi.models.kimi_k3.model import KimiK3Model
 from titan_kimi.models.kimi_k3.moe import set_routed_expert_gemm
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_kimi.parallel.compile import apply_compile, apply_loss_compile
-from titan_kimi.parallel.expert_parallel import apply_expert_parallel, set_expert_row_alignment
+from titan_kimi.parallel.expert_node_dispatch import shard_by_node
+from titan_kimi.parallel.expert_parallel import apply_expert_parallel, set_expert_row_alignment, shard_flat
 from titan_kimi.parallel.fsdp import apply_fsdp, reshard_after_forward
 from titan_kimi.parallel.mesh import Meshes
 
@@ -46,8 +49,10 @@ def parallelize(model: KimiK3Model, cfg, meshes: Meshes, device: torch.device) -
     dp_shard x cp, so expert parallelism always has one)."""
     layout = meshes.layout
     if layout.ep > 1:
-        apply_expert_parallel(model, meshes.ep, cfg.parallelism.expert_parallel_dispatch,
-                              cfg.parallelism.expert_parallel_node_size)
+        p = cfg.parallelism
+        flat = p.expert_parallel_dispatch == "flat"
+        apply_expert_parallel(model, meshes.ep, shard_flat if flat else
+                              functools.partial(shard_by_node, node_size=p.expert_parallel_node_size))
     _ac_and_compile(model, cfg, experts_outside=layout.ep > 1)
     dense = meshes.dense
     if dense is None:
