@@ -33,7 +33,8 @@ def launch(args: list[str], nproc: int = 0, timeout: int = 900) -> str:
 def test_every_layout_gives_one_process_gradients_in_fp32(parity_runs):
     """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2 (also with its weights prefetched at the step's start),
     selective AC + compile under PP2 x EP2,
-    full AC under EP2, EP4 with the hierarchical dispatch over 2 simulated nodes under full AC, per-module compile under PP2 x FSDP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
+    full AC under EP2, EP4 with the hierarchical dispatch over 2 simulated nodes under full AC,
+    per-module compile under PP2 x FSDP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
     LoRA and with LoRA under ZBVZeroBubble (adapter files byte-equal to one process's): one step's gradients on 4 ranks.
     PP2 x EP2 x FSDP2 (text) and the image-text LoRA layouts also export their stages as one HF checkpoint, equal to
     one process's export (adapters merged) and loading back with its logits. (One launch with the layouts of

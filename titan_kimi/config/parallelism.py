@@ -125,7 +125,8 @@ def _experts_fit(check: LayoutCheck, shard: int, cp: int, ep: int) -> None:
 
 
 
-NODE_GROUPS_VALID = "2+ ranks per node and an EP degree of 2+ whole nodes (a multiple of the node size, at least twice it)"
+NODE_GROUPS_VALID = ("2+ ranks per node and an EP degree of 2+ whole nodes (a multiple of the node size, at least "
+                     "twice it)")
 
 
 def _check_expert_dispatch(check: LayoutCheck, ep: int, dispatch: str, node_size: int) -> None:

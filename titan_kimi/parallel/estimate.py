@@ -61,8 +61,8 @@ def describe_ranks(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, *, activa
             gathered += (held.gathered + held.gathered_grads) / 2**30
         where = f"pp rank {rank}" if plan is not None else "every rank"
         kept = ("gathered weights and their unsharded gradients, kept for the whole step" if h.accumulate_grads
-                else f"gathered weights, kept {'for the whole step' if plan is not None else 'from forward to backward'}, "
-                "and unsharded gradients in flight"
+                else f"gathered weights, kept {'for the whole step' if plan else 'from forward to backward'}, and "
+                "unsharded gradients in flight"
                 if h.keep_gathered else "gathered weights and unsharded gradients in flight")
         lines.append(f"{where}: {params / 1e9:.3f} B params per rank, {states:.1f} GiB params + grads + Adam "
                      f"moments, + {gathered:.1f} GiB {kept} = {states + gathered:.1f} GiB "

@@ -26,8 +26,8 @@ def short(e: StepEstimate) -> str:
     """``pp 8 1F1B x dp_shard 32 x cp 1, ep 32, microbatch 1[, FSDP settings]``."""
     layout, plan = e.layout, e.layout.pipeline
     pipe = f"pp {layout.pp} {plan.schedule}" if plan is not None else "pp 1"
-    return (f"{pipe} x dp_shard {layout.dp_shard} x cp {layout.cp}, ep {layout.ep}{layout.ep_dispatch_note}, microbatch "
-            f"{layout.microbatch_size if plan is not None else '-'}" + (f", {e.fsdp}" if e.fsdp else ""))
+    return (f"{pipe} x dp_shard {layout.dp_shard} x cp {layout.cp}, ep {layout.ep}{layout.ep_dispatch_note}, "
+            f"microbatch {layout.microbatch_size if plan is not None else '-'}" + (f", {e.fsdp}" if e.fsdp else ""))
 
 
 def line(e: StepEstimate, limit: float) -> str:

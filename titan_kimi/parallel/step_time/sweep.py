@@ -1,10 +1,11 @@
 """The layouts a GPU count allows for a recipe, each estimated, and the fastest that fits.
 
 Candidates keep the recipe's global batch, sequence length, model and activation checkpointing, and vary
-pipeline degree and schedule, context parallelism, expert parallelism and its dispatch (hierarchical where the EP
-group spans 2+ whole nodes) and the microbatch size (dp_shard takes the ranks left, dp_replicate stays 1). Whether one is valid is decided where the trainer decides it: the layout's
-one check (``resolve_layout``, with the model and whether it is image-text) and the other config rules
-(``validate_job_config`` at that world size); nothing is re-checked here.
+pipeline degree and schedule, context parallelism, expert parallelism and its dispatch (hierarchical where the
+EP group spans 2+ whole nodes) and the microbatch size (dp_shard takes the ranks left, dp_replicate stays 1).
+Whether one is valid is decided where the trainer decides it: the layout's one check (``resolve_layout``, with
+the model and whether it is image-text) and the other config rules (``validate_job_config`` at that world size);
+nothing is re-checked here.
 """
 
 from __future__ import annotations
