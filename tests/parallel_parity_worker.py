@@ -75,6 +75,11 @@ LAYOUTS = {
     "ep4_hierarchical_full_ac": ["--parallelism.expert_parallel_degree", "4", "--parallelism.expert_parallel_dispatch",
                                  "hierarchical", "--parallelism.expert_parallel_node_size", "2",
                                  "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full"],
+    # and under per-op selective checkpointing with the MoE blocks' sub-modules compiled around the routed path
+    "ep4_hierarchical_sac_compile": ["--parallelism.expert_parallel_degree", "4",
+                                     "--parallelism.expert_parallel_dispatch", "hierarchical",
+                                     "--parallelism.expert_parallel_node_size", "2", "--training.local_batch_size", "2",
+                                     "--activation_checkpoint.mode", "selective", "--compile.mode", "default"],
     # Norms, attention and FFN compiled apart (compile.granularity = module), inside FSDP2 units, under PP2.
     "pp2_fsdp2_module_compile": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2",
                                  "--training.global_batch_size", "4", "--compile.mode", "default",

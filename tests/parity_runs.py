@@ -11,7 +11,8 @@ from pathlib import Path
 # test_parallel.py: every layout in fp32, the HF initial weights read per rank among them
 FP32_LAYOUTS = ("ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2", "pp2_ep2_fsdp2_prefetch",
                 "pp2_interleaved_zb", "pp2_looped_bfs", "pp2_dualpipev", "pp2_gpipe", "pp2_ep2_sac_compile",
-                "ep2_full_ac", "ep4_hierarchical_full_ac", "pp2_fsdp2_module_compile", "vl_pp2_fsdp2", "vl_lora_pp2_fsdp2", "vl_lora_pp2_zbv",
+                "ep2_full_ac", "ep4_hierarchical_full_ac", "ep4_hierarchical_sac_compile",
+                "pp2_fsdp2_module_compile", "vl_pp2_fsdp2", "vl_lora_pp2_fsdp2", "vl_lora_pp2_zbv",
                 "ep2_efsdp2_hf", "pp2_ep2_hf")
 # test_context_parallel.py: CP composed with FSDP, PP and EP
 CP_LAYOUTS = ("cp2_dp2", "cp2_contiguous_dp2", "cp4", "cp2_pp2", "cp2_ep2_dp2", "cp2_pp2_ep2")

@@ -33,7 +33,8 @@ def launch(args: list[str], nproc: int = 0, timeout: int = 900) -> str:
 def test_every_layout_gives_one_process_gradients_in_fp32(parity_runs):
     """EP2, PP2 (every schedule), PP2 x EP2 x FSDP2 (also with its weights prefetched at the step's start),
     selective AC + compile under PP2 x EP2,
-    full AC under EP2, EP4 with the hierarchical dispatch over 2 simulated nodes under full AC,
+    full AC under EP2, EP4 with the hierarchical dispatch over 2 simulated nodes (under full AC, and under selective
+    AC + compile),
     per-module compile under PP2 x FSDP2, HF initial weights read per rank, and the image-text model at PP2 x FSDP2 with and without
     LoRA and with LoRA under ZBVZeroBubble (adapter files byte-equal to one process's): one step's gradients on 4 ranks.
     PP2 x EP2 x FSDP2 (text) and the image-text LoRA layouts also export their stages as one HF checkpoint, equal to
@@ -46,7 +47,7 @@ def test_every_layout_gives_one_process_gradients_in_fp32(parity_runs):
     assert set(results) == {"ep2", "pp2_1f1b", "pp2_interleaved", "pp2_zbv", "pp2_ep2_fsdp2",
                             "pp2_ep2_fsdp2_prefetch", "pp2_interleaved_zb",
                             "pp2_looped_bfs", "pp2_dualpipev", "pp2_gpipe", "pp2_ep2_sac_compile", "ep2_full_ac",
-                            "ep4_hierarchical_full_ac", "pp2_fsdp2_module_compile",
+                            "ep4_hierarchical_full_ac", "ep4_hierarchical_sac_compile", "pp2_fsdp2_module_compile",
                             "ep2_efsdp2_hf", "pp2_ep2_hf", "vl_pp2_fsdp2", "vl_lora_pp2_fsdp2",
                             "vl_lora_pp2_zbv"}, out
     for name, (grad, loss, params) in results.items():
