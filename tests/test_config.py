@@ -341,6 +341,9 @@ BAD_CONFIGS = {
                                               ["parallelism.expert_parallel_node_size = 4",
                                                "expert_parallel_degree 4 is not 2+ whole nodes of 4 ranks",
                                                "or the flat dispatch"]),
+    "node_size_with_flat_dispatch": (None, ["--parallelism.expert_parallel_node_size", "8"],
+                                     ["parallelism.expert_parallel_node_size = 8", "is never read",
+                                      'parallelism.expert_parallel_dispatch = "flat"']),
     "shard_degree_mismatch": (None, ["--job.world_size", "4", "--parallelism.data_parallel_shard_degree", "3"],
                               ["parallelism.data_parallel_shard_degree = 3", "-1 or 4"]),
 }

@@ -131,6 +131,10 @@ NODE_GROUPS_VALID = ("2+ ranks per node and an EP degree of 2+ whole nodes (a mu
 
 def _check_expert_dispatch(check: LayoutCheck, ep: int, dispatch: str, node_size: int) -> None:
     if dispatch != "hierarchical":
+        if node_size:
+            raise check.reject("parallelism.expert_parallel_node_size",
+                               f"is never read with {check.other('parallelism.expert_parallel_dispatch')}",
+                               "0, or expert_parallel_dispatch = hierarchical")
         return
     if ep == 1:
         raise check.reject("parallelism.expert_parallel_dispatch",

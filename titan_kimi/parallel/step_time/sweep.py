@@ -50,6 +50,7 @@ def variant(cfg, world_size: int, *, pp: int, cp: int, ep: int, microbatch: int,
     out.parallelism = dataclasses.replace(
         cfg.parallelism, pipeline_parallel_degree=pp, context_parallel_degree=cp, expert_parallel_degree=ep,
         expert_parallel_dispatch=dispatch, data_parallel_shard_degree=-1, data_parallel_replicate_degree=1,
+        expert_parallel_node_size=cfg.parallelism.expert_parallel_node_size if dispatch == "hierarchical" else 0,
         pipeline_parallel_schedule=schedule if pp > 1 else "1F1B", pipeline_parallel_stages_per_rank=0,
         pipeline_parallel_split=[], pipeline_parallel_microbatch_size=microbatch if pp > 1 else 1,
         fsdp_reshard_after_forward=reshard, pipeline_prefetch_weights=prefetch, pipeline_gradient_sync=sync)
