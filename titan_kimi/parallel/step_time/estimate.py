@@ -32,7 +32,7 @@ from titan_kimi.parallel.rank_slice.microbatch import DEFAULT_ROWS, doc_ids_for,
 from titan_kimi.parallel.stage_params import (StageParams, compute_dtype, count_stage_params, holding_from_config,
                                               rank_bytes)
 from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes, nodes_per_token
-from titan_kimi.parallel.step_time.schedules import (StageTimes, Timeline, peak_in_flight, rank_orders, simulate,
+from titan_kimi.parallel.step_time.schedules import (StageTimes, peak_in_flight, rank_orders, simulate,
                                                      uses_split_backward)
 from titan_kimi.parallel.step_time.stage_work import StageWork, stage_work, without_block_start
 from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, geometry_key,
