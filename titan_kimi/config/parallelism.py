@@ -124,7 +124,6 @@ def _experts_fit(check: LayoutCheck, shard: int, cp: int, ep: int) -> None:
                            f"= {shard * cp}, the ranks experts are spread over", f"a divisor of {shard * cp}")
 
 
-
 NODE_GROUPS_VALID = ("2+ ranks per node and an EP degree of 2+ whole nodes (a multiple of the node size, at least "
                      "twice it)")
 

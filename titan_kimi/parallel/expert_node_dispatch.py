@@ -53,12 +53,10 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         pair_weights = torch.where(on_node, weights[pair_token], 0.0)
         send = hit.sum(0)
         group = self.across.get_group()
-        recv = _exchange(send, group)
-        send_splits, recv_splits = send.tolist(), recv.tolist()
+        send_splits, recv_splits = torch.stack([send, _exchange(send, group)]).tolist()  # one host sync
         rows = all_to_all_single_autograd(z[pair_token], recv_splits, send_splits, group)
         relay_weights = all_to_all_single_autograd(pair_weights, recv_splits, send_splits, group)
-        with torch.no_grad():
-            relay_experts = _wait(all_to_all_single(experts, recv_splits, send_splits, group))
+        relay_experts = _wait(all_to_all_single(experts, recv_splits, send_splits, group))  # ids: no gradient
         sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
         back = all_to_all_single_autograd(sums, send_splits, recv_splits, group)
         total = back.new_zeros(tokens, back.shape[1], dtype=torch.float32)

@@ -49,10 +49,9 @@ def parallelize(model: KimiK3Model, cfg, meshes: Meshes, device: torch.device) -
     dp_shard x cp, so expert parallelism always has one)."""
     layout = meshes.layout
     if layout.ep > 1:
-        p = cfg.parallelism
-        flat = p.expert_parallel_dispatch == "flat"
-        apply_expert_parallel(model, meshes.ep, shard_flat if flat else
-                              functools.partial(shard_by_node, node_size=p.expert_parallel_node_size))
+        hierarchical = layout.ep_dispatch == "hierarchical"
+        apply_expert_parallel(model, meshes.ep, functools.partial(shard_by_node, node_size=layout.ep_node_size)
+                              if hierarchical else shard_flat)
     _ac_and_compile(model, cfg, experts_outside=layout.ep > 1)
     dense = meshes.dense
     if dense is None:
