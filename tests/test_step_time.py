@@ -62,7 +62,10 @@ def test_communication_costs():
     assert net.all_to_all(sent, 8) == pytest.approx(sent * 7 / 8 / 400e9 + 1e-5)  # inside one node
     assert net.all_to_all(sent, 1) == 0.0
     assert net.ring(1e9, 8) == pytest.approx(1e9 * 7 / 8 / 400e9 + 1e-5)
-    assert net.ring(1e9, 32) == pytest.approx(1e9 * 31 / 32 / 50e9 + 1e-5)  # the slowest link a ring crosses
+    # across nodes a ring leaves each node through the NICs of the group's ranks there (NCCL's channels)
+    assert net.ring(1e9, 32) == pytest.approx(1e9 * 31 / 32 / min(400e9, 8 * 50e9) + 1e-5)
+    assert net.ring(1e9, 16, stride=4) == pytest.approx(1e9 * 15 / 16 / (2 * 50e9) + 1e-5)  # 2 ranks a node
+    assert net.ranks_per_node(12) == 4 and net.ranks_per_node(16, stride=4) == 2 and net.ranks_per_node(8, 32) == 1
     # the experts' FSDP group: one rank of each EP group, ep ranks apart
     assert net.nodes(8, stride=32) == 8 and net.nodes(4, stride=2) == 1 and net.nodes(4, stride=4) == 2
     assert net.ring(1e9, 8, stride=32) == pytest.approx(1e9 * 7 / 8 / 50e9 + 1e-5)
@@ -73,6 +76,8 @@ def test_communication_costs():
     # what each puts on the rank's NIC: the off-node share only, no latency
     assert net.nic_all_to_all(sent, 32) == pytest.approx(sent * 24 / 32 / 50e9) and net.nic_all_to_all(sent, 8) == 0
     assert net.nic_ring(1e9, 8, stride=32) == pytest.approx(1e9 * 7 / 8 / 50e9) and net.nic_ring(1e9, 8) == 0
+    assert net.nic_ring(1e9, 32) == pytest.approx(1e9 * 31 / 32 / 8 / 50e9)  # 1/8 of the node's ring traffic
+    assert net.nic_ring(1e9, 12) == pytest.approx(1e9 * 11 / 12 / 4 / 50e9)  # the node holding 4 of the 12
     assert net.nic_point_to_point(1e6, 32) == pytest.approx(1e6 / 50e9) and net.nic_point_to_point(1e6, 4) == 0
     with pytest.raises(ValueError, match="bandwidths must be > 0"):
         Network(0.0, 50.0, 8, 1.0)

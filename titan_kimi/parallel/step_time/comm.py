@@ -10,7 +10,12 @@ them sits on its own node. A group of ``g`` ranks ``stride`` apart spans the nod
 - all-to-all of ``B`` bytes sent per rank (spread evenly over the group, itself included): the node-local
   part over NVLink, the rest over the rank's own NIC, whichever takes longer, plus one latency;
 - all-gather / reduce-scatter of a tensor of ``S`` bytes (whole size) over ``g`` ranks: a ring moving
-  ``S (g - 1) / g`` per rank at the slowest link the group crosses, plus one latency;
+  ``S (g - 1) / g`` per rank, plus one latency. Inside a node at the NVLink bandwidth. Across nodes NCCL runs
+  one ring per channel and spreads the channels over the NICs, so a node's ``S (g - 1) / g`` of ring traffic
+  leaves through the NICs of the group's ``l`` ranks on it (the fewest any node holds): each NIC carries
+  ``1 / l`` of it and the ring runs at ``min(NVLink, l x inter-node)`` (NCCL's maintainers measure ~192 GB/s of
+  all-reduce bus bandwidth between DGX-A100s with 8 x 25 GB/s NICs, NVIDIA/nccl#812). The experts' FSDP group,
+  one rank per node, crosses through one NIC;
 - the hierarchical EP exchange (``expert_parallel_dispatch = hierarchical``): one all-to-all across nodes among
   the ranks of one local index, carrying one row per (token, node holding one of its experts), then one over
   NVLink inside the node carrying every (token, expert) row; in sequence, two latencies;
@@ -60,14 +65,24 @@ class Network:
         within = within_bytes * (node_size - 1) / node_size / (self.nvlink_gb_per_s * 1e9)
         return self.nic_node_all_to_all(across_bytes, nodes) + within + 2 * self.latency
 
+    def ranks_per_node(self, group: int, stride: int = 1) -> int:
+        """The fewest ranks of a group of ``group`` ranks ``stride`` apart that any node it spans holds."""
+        per_node: dict[int, int] = {}
+        for i in range(group):
+            node = i * stride // self.gpus_per_node
+            per_node[node] = per_node.get(node, 0) + 1
+        return min(per_node.values())
+
     def ring(self, tensor_bytes: float, group: int, stride: int = 1) -> float:
         """An all-gather or a reduce-scatter of a whole tensor of ``tensor_bytes`` over ``group`` ranks
         ``stride`` apart."""
         if group <= 1 or tensor_bytes <= 0:
             return 0.0
-        if self.nodes(group, stride) > 1:  # the slowest link the ring crosses
-            return self.nic_ring(tensor_bytes, group, stride) + self.latency
-        return tensor_bytes * (group - 1) / group / (self.nvlink_gb_per_s * 1e9) + self.latency
+        moved = tensor_bytes * (group - 1) / group
+        if self.nodes(group, stride) > 1:  # the node's ring traffic over the NICs of its ranks in the group
+            nics = self.ranks_per_node(group, stride) * self.internode_gb_per_s
+            return moved / (min(self.nvlink_gb_per_s, nics) * 1e9) + self.latency
+        return moved / (self.nvlink_gb_per_s * 1e9) + self.latency
 
     def point_to_point(self, nbytes: float, stride: int) -> float:
         """``nbytes`` to a rank ``stride`` ranks away."""
@@ -93,7 +108,8 @@ class Network:
     def nic_ring(self, tensor_bytes: float, group: int, stride: int = 1) -> float:
         if group <= 1 or tensor_bytes <= 0 or self.nodes(group, stride) == 1:
             return 0.0
-        return tensor_bytes * (group - 1) / group / (self.internode_gb_per_s * 1e9)
+        return (tensor_bytes * (group - 1) / group / self.ranks_per_node(group, stride)
+                / (self.internode_gb_per_s * 1e9))
 
     def nic_point_to_point(self, nbytes: float, stride: int) -> float:
         if nbytes <= 0 or self._peer_on_node(stride):
