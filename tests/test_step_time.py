@@ -227,3 +227,36 @@ def test_dry_run_models_the_hierarchical_ep_dispatch(capsys):
     with pytest.raises(ValueError, match="expert_parallel_degree 4 is not 2\\+ whole nodes of 4 ranks"):
         run_main(capsys, *args, "--parallelism.expert_parallel_dispatch", "hierarchical",
                  "--step_time.gpus_per_node", "4")
+
+
+def test_collectives_benchmark_sets_each_collective_beside_the_model(tmp_path):
+    """scripts/bench/collectives.py on 4 gloo ranks as 2 simulated nodes of 2: every op timed, and its model
+    column and bounding key are the estimate's own formulas for that size and group."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "scripts/bench/collectives.py", "--out", str(tmp_path), "--sizes-mb", "0.5", "--repeats", "2",
+           "--warmup", "1", "--gpus-per-node", "2"]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((tmp_path / "collectives.json").read_text())
+    net = Network(**record["network"])
+    assert net.gpus_per_node == 2 and record["device"] == "CPU, gloo"
+    rows = {r["op"]: r for r in record["rows"]}
+    assert set(rows) == {"all_gather", "reduce_scatter", "all_to_all"}
+    for op, r in rows.items():
+        assert r["ranks"] == 4 and r["nodes"] == 2 and r["measured_ms"] > 0 and r["implied_gb_per_s"] > 0
+        assert r["tensor_bytes"] == pytest.approx(0.5e6, rel=1e-3)
+        assert r["dtype"] == ("float32" if op == "reduce_scatter" else "bfloat16")
+    # rings over 2 nodes of 2: the node's 2 NICs (90 GB/s) bound them below NVLink; the all-to-all's off-node half
+    for op in ("all_gather", "reduce_scatter"):
+        s = rows[op]["tensor_bytes"]
+        assert rows[op]["model_ms"] == pytest.approx(net.ring(s, 4) * 1e3)
+        assert rows[op]["model_ms"] == pytest.approx((s * 3 / 4 / (2 * 45e9) + 25e-6) * 1e3)
+        assert rows[op]["bound"] == "internode_gb_per_s"
+    b = rows["all_to_all"]["tensor_bytes"]
+    assert rows["all_to_all"]["model_ms"] == pytest.approx((b * 2 / 4 / 45e9 + 25e-6) * 1e3)
+    assert "| all_to_all | 4 | 2 |" in (tmp_path / "collectives.md").read_text()

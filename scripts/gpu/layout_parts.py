@@ -205,6 +205,18 @@ def layout_tests(r: Runner, folder: Path) -> None:
     r.tail(log, 5)
 
 
+def layout_collectives(r: Runner, folder: Path) -> None:
+    """scripts/bench/collectives.py over every GPU of the machine: the step-time model's collectives measured."""
+    if not needs_gpus(r, "layout_collectives", 2):
+        return
+    gpus = r.gpu_count or 2
+    log = folder / "collectives.log"
+    r.run("collectives", Command(python("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+                                        "scripts/bench/collectives.py", "--out", str(folder)),
+                                 log=log, timeout=300, interrupt=True))
+    r.tail(log, 12)
+
+
 def layout_parts() -> list[Part]:
     return [
         Part("layout_refs", "2+ GPUs: the one-GPU references of the 2-GPU layouts, two at a time", layout_refs),
@@ -212,6 +224,8 @@ def layout_parts() -> list[Part]:
         Part("layout_pp", "2 GPUs: PP2 1F1B and PP2 ZBVZeroBubble", layout_pp),
         Part("layout_cp", "2 GPUs: CP2 zigzag at 16,384 tokens", layout_cp),
         Part("layout_tests", "2 GPUs: tests/test_multi_gpu.py", layout_tests),
+        Part("layout_collectives", "2+ GPUs: all-gather, reduce-scatter, all-to-all over every GPU against the "
+                                   "step-time model's bandwidths", layout_collectives),
         Part("layout_medium", "4 or 8 GPUs: k31_medium PP2 x EP x FSDP, then FSDP alone (MEDIUM_AC, MEDIUM_TIMEOUT)",
              layout_medium),
         Part("layout_medium_ref", "k31_medium's one-GPU references (MEDIUM_REF_TIMEOUT)", layout_medium_ref),
