@@ -48,3 +48,64 @@ def test_checkpoint_loading_sees_through_the_wrappers(tmp_path):
     ours = {canonical_fqn(n): t for n, t in wrapped.state_dict().items()}
     for name, tensor in fresh.state_dict().items():
         assert torch.equal(tensor, ours[canonical_fqn(name)]), name
+
+
+EXCHANGES_UNDER_CHECKPOINT = """
+import sys
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from titan_kimi.parallel.activation_checkpoint import _op_policy
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+calls = []
+
+
+class CountExchanges(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func == torch.ops._c10d_functional.all_to_all_single.default:
+            calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def block(x):
+    rows = all_to_all_single_autograd(x * 2, None, None, dist.group.WORLD)
+    return (rows * rows).sum()  # the product keeps the exchanged rows for its backward
+
+
+for name, context in (("full", None), ("op", _op_policy)):
+    calls.clear()
+    x = torch.randn(4, 3, requires_grad=True)
+    with CountExchanges():
+        kwargs = {"context_fn": context} if context else {}
+        checkpoint(block, x, use_reentrant=False, **kwargs).backward()
+    assert torch.allclose(x.grad, 8 * x.detach()), name
+    print(name, len(calls))
+dist.destroy_process_group()
+"""
+
+
+def test_per_op_checkpointing_repeats_no_expert_exchange():
+    """The forward's exchange and the backward's reverse one, and under full checkpointing the recompute's third;
+    per-op selective checkpointing keeps the exchanged rows (the step-time estimate counts the same)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from titan_kimi.parallel.step_time.table import exchange_recompute_share
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", EXCHANGES_UNDER_CHECKPOINT, str(port)], cwd=root,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["full", "3", "op", "2"]
+    assert exchange_recompute_share("full") == 1 and exchange_recompute_share("selective", "op") == 0
+    assert exchange_recompute_share("selective", "4") == 0.25

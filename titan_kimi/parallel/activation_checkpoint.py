@@ -28,6 +28,9 @@ _ALWAYS_SAVE = {
     torch.ops.aten._grouped_mm.default,
     # the router's fp32 logits ([T, E]): a few MB, and its tensor-core GEMMs are not among the counted mm's
     torch.ops.titan_kimi.router_logits.default,
+    # the expert-parallel exchanges (rows, their counts, the hierarchical dispatch's weights and expert ids): a
+    # recompute would repeat them on the network and the dispatch's host sync; torchtitan's op-SAC saves them too
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
 
 

@@ -35,8 +35,8 @@ from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes, nod
 from titan_kimi.parallel.step_time.schedules import (StageTimes, peak_in_flight, rank_orders, simulate,
                                                      uses_split_backward)
 from titan_kimi.parallel.step_time.stage_work import StageWork, stage_work, without_block_start
-from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, geometry_key,
-                                                 measured_settings)
+from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, exchange_recompute_share,
+                                                 geometry_key, measured_settings)
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the optimizer step's bound when no measured time per parameter exists
 OPTIMIZER_BYTES = 16  # per bf16 parameter: read weight, gradient, 2 moments; write weight, 2 moments (+ slack)
@@ -85,6 +85,7 @@ class StepTimeModel:
         self.geometry = geometry_key(args)
         ac = cfg.activation_checkpoint
         self.ac = ac_share(ac.mode, ac.selective_ac_option)
+        self.ep_ac = exchange_recompute_share(ac.mode, ac.selective_ac_option)
         spec = cfg.step_time.rows or DEFAULT_ROWS[cfg.data.dataset]
         try:
             self.rows_layout = parse_rows(spec)
@@ -225,9 +226,9 @@ class StepTimeModel:
         for layer in range(*layer_range):
             if a.is_moe_layer(layer) and layout.ep > 1:
                 fwd += 2 * one
-                bwd += (2 + 2 * self.ac) * one
-                ep_total += (4 + 2 * self.ac) * one
-                nic += (4 + 2 * self.ac) * one_nic
+                bwd += (2 + 2 * self.ep_ac) * one
+                ep_total += (4 + 2 * self.ep_ac) * one
+                nic += (4 + 2 * self.ep_ac) * one_nic
             if layout.cp > 1:
                 if a.is_kda_layer(layer):
                     state = rows * a.kda_num_heads * a.kda_head_dim * a.kda_head_dim * 4 * 2 * layout.cp
