@@ -1,4 +1,4 @@
-"""The collectives the step-time estimate models, timed on this machine's ranks and set beside the model.
+"""The step-time model's collectives timed beside the model: torchrun ... scripts/bench/collectives.py --out DIR
 
     torchrun --nnodes N --nproc-per-node G scripts/bench/collectives.py --out DIR [--sizes-mb 64 470] [--repeats 10]
 
