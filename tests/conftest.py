@@ -35,20 +35,12 @@ def pytest_configure(config):
         raise pytest.UsageError(f"{err} (for the tests: --kernels-triton-autotune false)") from None
     autotune = config.getoption("--kernels-triton-autotune") == "true"
     configure_kernel_settings(triton_autotune=autotune)
-    if not autotune:
-        _fla_untuned_shapes_take_shipped_defaults()
+    if not autotune and torch.cuda.is_available():
+        # FLA's kernels at the tests' small shapes take the shipped configs' defaults instead of autotuning each
+        # new shape; a user's FLA_* settings win
+        from lowerings.kernels.fla_config_cache import use_shipped_fla_configs
 
-
-def _fla_untuned_shapes_take_shipped_defaults() -> None:
-    """Without autotuning, FLA's kernels at the tests' small shapes take the shipped configs' defaults (FLA's
-    ``full`` cache mode) instead of autotuning each new shape; a user's FLA_* settings win."""
-    if not torch.cuda.is_available() or "FLA_CACHE_MODE" in os.environ or "FLA_CONFIG_DIR" in os.environ:
-        return
-    from lowerings.kernels.fla_config_cache import shipped_config_dir
-
-    path = shipped_config_dir()
-    if path is not None:
-        os.environ["FLA_CONFIG_DIR"], os.environ["FLA_CACHE_MODE"] = str(path), "full"
+        use_shipped_fla_configs(mode="full")
 
 
 # The once-per-run launches below: the tests reading one of them run in one pytest-xdist worker (--dist

@@ -97,7 +97,7 @@ def test_per_op_checkpointing_repeats_no_expert_exchange():
     import sys
     from pathlib import Path
 
-    from titan_kimi.parallel.step_time.table import exchange_recompute_share
+    from titan_kimi.parallel.activation_checkpoint import saves_expert_exchanges
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,5 +107,5 @@ def test_per_op_checkpointing_repeats_no_expert_exchange():
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["full", "3", "op", "2"]
-    assert exchange_recompute_share("full") == 1 and exchange_recompute_share("selective", "op") == 0
-    assert exchange_recompute_share("selective", "4") == 0.25
+    assert saves_expert_exchanges("selective", "op")
+    assert not saves_expert_exchanges("full", "op") and not saves_expert_exchanges("selective", "4")

@@ -243,6 +243,14 @@ def test_selects_shipped_configs_before_fla_import(shipped, clean_env, monkeypat
     assert os.environ["FLA_CONFIG_DIR"] == str(shipped)
 
 
+def test_another_mode_for_shapes_without_an_entry(shipped, clean_env, monkeypatch):
+    """The GPU tests without autotuning ask for FLA's ``full`` mode: its defaults where no entry matches."""
+    monkeypatch.delitem(sys.modules, "fla", raising=False)
+    os.environ["FLA_GPU_NAME"] = "NVIDIA H200"
+    assert fcc.use_shipped_fla_configs(mode="full") == "fla configs: shipped NVIDIA_H200 (full)"
+    assert os.environ["FLA_CONFIG_DIR"] == str(shipped) and os.environ["FLA_CACHE_MODE"] == "full"
+
+
 @pytest.mark.parametrize("user", [{"FLA_CACHE_MODE": "disabled"}, {"FLA_CONFIG_DIR": "/my/configs"},
                                   {"FLA_CACHE_MODE": "strict", "FLA_CONFIG_DIR": "/my/configs"}])
 def test_user_settings_are_respected(shipped, clean_env, monkeypatch, user):

@@ -61,10 +61,11 @@ def shipped_config_dir(gpu_name: str | None = None) -> Path | None:
     return None
 
 
-def use_shipped_fla_configs() -> str:
+def use_shipped_fla_configs(mode: str = SHIPPED_MODE) -> str:
     """Point FLA at the configs shipped for this GPU, unless the user chose; returns a one-line description.
 
-    Sets ``FLA_CONFIG_DIR`` and ``FLA_CACHE_MODE=fuzzy`` only when neither is set by the user, a shipped
+    Sets ``FLA_CONFIG_DIR`` and ``FLA_CACHE_MODE=mode`` (training: ``fuzzy``; the GPU tests without autotuning:
+    ``full``, FLA's defaults for shapes without an entry) only when neither is set by the user, a shipped
     directory exists for the GPU, and ``fla`` has not been imported yet (FLA reads the mode at import; setting
     it afterwards would not take effect, and the description says so). Never raises.
     """
@@ -80,10 +81,10 @@ def use_shipped_fla_configs() -> str:
         return f"fla configs: none shipped for {sanitize_gpu_name(gpu)}, FLA autotunes"
     if "fla" in sys.modules:
         return (f"fla configs: shipped {path.name} NOT used: fla was imported before titan_kimi could set "
-                f"{_ENV_MODE} (FLA autotunes); export {_ENV_MODE}={SHIPPED_MODE} {_ENV_DIR}={path} to use them")
+                f"{_ENV_MODE} (FLA autotunes); export {_ENV_MODE}={mode} {_ENV_DIR}={path} to use them")
     os.environ[_ENV_DIR] = str(path)
-    os.environ[_ENV_MODE] = SHIPPED_MODE
-    return f"fla configs: shipped {path.name} ({SHIPPED_MODE})"
+    os.environ[_ENV_MODE] = mode
+    return f"fla configs: shipped {path.name} ({mode})"
 
 
 # ------------------------------------------------------------------------------------------------- dumping

@@ -112,26 +112,22 @@ def time_ms(fn: Callable[[], None], warmup: int, repeats: int, device: torch.dev
     return float(slowest.item())
 
 
-def model(net: Network, op: str, nbytes: int, world: int) -> tuple[float, str, float]:
-    """The model's time (ms), the link that bounds it and that link's bytes (per GPU, one direction)."""
-    if op == "all_to_all":
-        local = min(world, net.gpus_per_node)
-        t = net.all_to_all(nbytes, world)
-        if world > net.gpus_per_node:
-            return t * 1e3, "internode_gb_per_s", nbytes * (world - local) / world
-        return t * 1e3, "nvlink_gb_per_s", nbytes * (local - 1) / world
-    t = net.ring(nbytes, world)
-    moved = nbytes * (world - 1) / world
-    if net.nodes(world) > 1:
-        per_node = net.ranks_per_node(world)
-        if per_node * net.internode_gb_per_s < net.nvlink_gb_per_s:  # the node's NICs bound the ring
-            return t * 1e3, "internode_gb_per_s", moved / per_node
-    return t * 1e3, "nvlink_gb_per_s", moved
+def model_seconds(net: Network, op: str, nbytes: int, world: int) -> float:
+    """comm.py's time for the collective: the estimate's own formula."""
+    return net.all_to_all(nbytes, world) if op == "all_to_all" else net.ring(nbytes, world)
 
 
-def implied(link_bytes: float, measured_ms: float, latency_s: float) -> float:
-    seconds = measured_ms * 1e-3 - latency_s
-    return link_bytes / seconds / 1e9 if seconds > 0 else float("inf")
+def bounding_key(net: Network, op: str, nbytes: int, world: int) -> str:
+    """The ``[step_time]`` bandwidth the model's time rests on: NVLink if a faster NVLink shortens it."""
+    faster = dataclasses.replace(net, nvlink_gb_per_s=2 * net.nvlink_gb_per_s)
+    nvlink_bounds = model_seconds(faster, op, nbytes, world) < model_seconds(net, op, nbytes, world)
+    return "nvlink_gb_per_s" if nvlink_bounds else "internode_gb_per_s"
+
+
+def implied(net: Network, key: str, model_s: float, measured_s: float) -> float:
+    """``key``'s value at which the model gives the measured time (its time less the latency goes as 1/bandwidth)."""
+    spent = measured_s - net.latency
+    return getattr(net, key) * (model_s - net.latency) / spent if spent > 0 else float("inf")
 
 
 def markdown(rows: list[Measured], net: Network, device: str) -> str:
@@ -153,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         world, rank = dist.get_world_size(), dist.get_rank()
+        if world < 2:
+            raise ValueError(f"collectives.py: {world} rank(s); the collectives need 2+ (torchrun --nproc-per-node 2+)")
         local = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local) if cuda else torch.device("cpu")
         if cuda:
@@ -167,9 +165,10 @@ def main(argv: list[str] | None = None) -> None:
                 n = elements(size, dtype, world)
                 nbytes = n * dtype.itemsize
                 measured = time_ms(collective(op, n, dtype, world, device), opts.warmup, opts.repeats, device)
-                predicted, bound, link_bytes = model(net, op, nbytes, world)
-                rows.append(Measured(op, world, net.nodes(world), nbytes, name, measured, predicted, bound,
-                                     implied(link_bytes, measured, net.latency)))
+                predicted = model_seconds(net, op, nbytes, world)
+                bound = bounding_key(net, op, nbytes, world)
+                rows.append(Measured(op, world, net.nodes(world), nbytes, name, measured, predicted * 1e3, bound,
+                                     implied(net, bound, predicted, measured * 1e-3)))
         if rank == 0:
             where = torch.cuda.get_device_name(device) if cuda else "CPU, gloo"
             opts.out.mkdir(parents=True, exist_ok=True)

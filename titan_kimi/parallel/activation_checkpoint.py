@@ -28,10 +28,17 @@ _ALWAYS_SAVE = {
     torch.ops.aten._grouped_mm.default,
     # the router's fp32 logits ([T, E]): a few MB, and its tensor-core GEMMs are not among the counted mm's
     torch.ops.titan_kimi.router_logits.default,
-    # the expert-parallel exchanges (rows, their counts, the hierarchical dispatch's weights and expert ids): a
-    # recompute would repeat them on the network and the dispatch's host sync; torchtitan's op-SAC saves them too
-    torch.ops._c10d_functional.all_to_all_single.default,
 }
+# The expert-parallel exchanges (rows, their counts, the hierarchical dispatch's weights and expert ids): a
+# recompute would repeat them on the network and the dispatch's host sync; torchtitan's op-SAC saves them too.
+EXPERT_EXCHANGE = torch.ops._c10d_functional.all_to_all_single.default
+_ALWAYS_SAVE.add(EXPERT_EXCHANGE)
+
+
+def saves_expert_exchanges(mode: str, option: str) -> bool:
+    """Whether checkpointing ``mode`` / ``option`` keeps the expert-parallel exchanges' outputs, so that its
+    recompute repeats none (the step-time estimate counts the exchanges by this)."""
+    return mode == "selective" and option == "op" and EXPERT_EXCHANGE in _ALWAYS_SAVE
 
 
 def _ignore_profiler_ranges() -> None:

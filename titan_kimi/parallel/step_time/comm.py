@@ -27,6 +27,7 @@ them sits on its own node. A group of ``g`` ranks ``stride`` apart spans the nod
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 
@@ -45,11 +46,19 @@ class Network:
     def latency(self) -> float:
         return self.latency_us * 1e-6
 
-    def nodes(self, group: int, stride: int = 1) -> int:
-        """Nodes a group of ``group`` ranks ``stride`` apart (consecutive at 1) spans."""
+    def _ranks_by_node(self, group: int, stride: int) -> Counter:
+        """How many ranks of a group of ``group`` ranks ``stride`` apart (consecutive at 1) each node holds."""
         if stride < 1:
             raise ValueError(f"rank stride {stride}: must be >= 1")
-        return len({i * stride // self.gpus_per_node for i in range(group)})
+        return Counter(i * stride // self.gpus_per_node for i in range(group))
+
+    def nodes(self, group: int, stride: int = 1) -> int:
+        """Nodes a group of ``group`` ranks ``stride`` apart (consecutive at 1) spans."""
+        return len(self._ranks_by_node(group, stride))
+
+    def ranks_per_node(self, group: int, stride: int = 1) -> int:
+        """The fewest ranks of the group that any node it spans holds."""
+        return min(self._ranks_by_node(group, stride).values())
 
     def all_to_all(self, bytes_sent: float, group: int) -> float:
         if group <= 1 or bytes_sent <= 0:
@@ -64,14 +73,6 @@ class Network:
             return 0.0
         within = within_bytes * (node_size - 1) / node_size / (self.nvlink_gb_per_s * 1e9)
         return self.nic_node_all_to_all(across_bytes, nodes) + within + 2 * self.latency
-
-    def ranks_per_node(self, group: int, stride: int = 1) -> int:
-        """The fewest ranks of a group of ``group`` ranks ``stride`` apart that any node it spans holds."""
-        per_node: dict[int, int] = {}
-        for i in range(group):
-            node = i * stride // self.gpus_per_node
-            per_node[node] = per_node.get(node, 0) + 1
-        return min(per_node.values())
 
     def ring(self, tensor_bytes: float, group: int, stride: int = 1) -> float:
         """An all-gather or a reduce-scatter of a whole tensor of ``tensor_bytes`` over ``group`` ranks

@@ -25,6 +25,7 @@ from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.layer_flops import LayerFlops, row_segments
+from titan_kimi.parallel.activation_checkpoint import saves_expert_exchanges
 from titan_kimi.parallel.fsdp import reshard_after_forward
 from titan_kimi.parallel.layout import ParallelLayout
 from titan_kimi.parallel.pipeline_plan import PipelinePlan
@@ -35,8 +36,8 @@ from titan_kimi.parallel.step_time.comm import Network, ep_all_to_all_bytes, nod
 from titan_kimi.parallel.step_time.schedules import (StageTimes, peak_in_flight, rank_orders, simulate,
                                                      uses_split_backward)
 from titan_kimi.parallel.step_time.stage_work import StageWork, stage_work, without_block_start
-from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, exchange_recompute_share,
-                                                 geometry_key, measured_settings)
+from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, geometry_key,
+                                                 measured_settings)
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the optimizer step's bound when no measured time per parameter exists
 OPTIMIZER_BYTES = 16  # per bf16 parameter: read weight, gradient, 2 moments; write weight, 2 moments (+ slack)
@@ -85,7 +86,8 @@ class StepTimeModel:
         self.geometry = geometry_key(args)
         ac = cfg.activation_checkpoint
         self.ac = ac_share(ac.mode, ac.selective_ac_option)
-        self.ep_ac = exchange_recompute_share(ac.mode, ac.selective_ac_option)
+        # the share of the expert exchanges a recomputed forward repeats
+        self.ep_ac = 0.0 if saves_expert_exchanges(ac.mode, ac.selective_ac_option) else self.ac
         spec = cfg.step_time.rows or DEFAULT_ROWS[cfg.data.dataset]
         try:
             self.rows_layout = parse_rows(spec)

@@ -41,12 +41,6 @@ def ac_share(mode: str, option: str = "op") -> float:
     return RECOMPUTE_SHARE[mode]
 
 
-def exchange_recompute_share(mode: str, option: str = "op") -> float:
-    """The expert-parallel exchanges a recomputed forward repeats: per-op selective checkpointing saves their
-    outputs (titan_kimi/parallel/activation_checkpoint.py), the block modes recompute whole blocks."""
-    return 0.0 if mode == "selective" and option == "op" else ac_share(mode, option)
-
-
 # The settings each entry records beside its times (a record without one ran under the default), by record key:
 # the config key it was measured under and that key's default.
 MEASURED_UNDER = {"compile": ("compile.mode", "none"), "expert_gemm": ("training.routed_expert_gemm", "default")}
