@@ -13,14 +13,17 @@ routed path runs in two levels:
 3. the relay sums each token's weighted outputs of its node's experts in fp32, rounded to the compute dtype,
    and that one row per (token, node) crosses back; the token's rank sums its nodes' rows in fp32.
 
-Forward and gradients equal the flat dispatch's up to the rounding of each node's sum (none in fp32). The weights
-are sharded over the whole EP group as under the flat dispatch; only the row movement differs.
+The MoE's shared experts run while the rows cross nodes (``overlapped_exchange``), and their backward while the
+rows' gradients cross back. Forward and gradients equal the flat dispatch's up to the rounding of each node's sum
+(none in fp32). The weights are sharded over the whole EP group as under the flat dispatch; only the row movement
+differs.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
 from titan_kimi.parallel.expert_parallel import ExpertShardGroupedExperts, expert_shard_class
+from titan_kimi.parallel.overlapped_exchange import all_to_all_alongside
 
 
 class NodeDispatchExperts(ExpertShardGroupedExperts):
@@ -41,7 +45,8 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
     node_style: object
 
     def route(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-              num_tokens_per_expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+              num_tokens_per_expert: torch.Tensor, dtype: torch.dtype,
+              alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         nodes = self.across.size()
         per_node = self.num_experts // nodes
         tokens = indices.shape[0]
@@ -54,13 +59,18 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         send = hit.sum(0)
         group = self.across.get_group()
         send_splits, recv_splits = torch.stack([send, _exchange(send, group)]).tolist()  # one host sync
-        rows = all_to_all_single_autograd(z[pair_token], recv_splits, send_splits, group)
+        # The weights and ids go first, unwaited: nothing waits before the shared experts are queued beside the
+        # rows, so they overlap all three exchanges. The weights' backward waits as soon as it runs; created
+        # before the rows' exchange, it runs once the rows' gradients are back, out of the shared experts'
+        # backward window (all_to_all_alongside).
         relay_weights = all_to_all_single_autograd(pair_weights, recv_splits, send_splits, group)
-        relay_experts = _wait(all_to_all_single(experts, recv_splits, send_splits, group))  # ids: no gradient
+        pending_experts = all_to_all_single(experts, recv_splits, send_splits, group)  # ids: no gradient
+        rows, shared = all_to_all_alongside(z[pair_token], recv_splits, send_splits, group, alongside)
+        relay_experts = _wait(pending_experts)
         sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
         back = all_to_all_single_autograd(sums, send_splits, recv_splits, group)
         total = back.new_zeros(tokens, back.shape[1], dtype=torch.float32)
-        return total.index_add(0, pair_token, back.float()).to(dtype)
+        return total.index_add(0, pair_token, back.float()).to(dtype), shared
 
     def _node_level(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, per_node: int,
                     dtype: torch.dtype) -> torch.Tensor:

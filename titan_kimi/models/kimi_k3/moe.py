@@ -8,6 +8,8 @@ this file holds the local computation only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -82,13 +84,21 @@ class GroupedExperts(nn.Module):
         return self.run(self.w13, self.w2, x, num_tokens_per_expert)
 
     def route(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
-              num_tokens_per_expert: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+              num_tokens_per_expert: torch.Tensor, dtype: torch.dtype,
+              alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The routed path: each token's latent row ``z [T, L]`` through its experts ``indices [T, k]``, the
         outputs weighted by ``weights [T, k]`` and summed in fp32 (over the bf16-rounded expert outputs) ->
-        ``[T, L]`` in ``dtype``. Expert parallelism wraps ``forward``; its node-level dispatch
-        (``titan_kimi.parallel.expert_node_dispatch``) replaces this."""
+        ``[T, L]`` in ``dtype``, and ``alongside()``'s result (None without it).
+
+        ``alongside`` is work independent of the routed rows (the MoE's shared experts), run where it can overlap
+        the routed path's communication. Here it runs once the routed path is done, so a MoE's numerics and its
+        backward's order are those of adding the shared experts after it. Expert parallelism wraps ``forward``
+        (torchtitan's flat dispatch keeps this order); its node-level dispatch
+        (``titan_kimi.parallel.expert_node_dispatch``) replaces this method and runs ``alongside`` while the
+        rows cross nodes."""
         routing = ops.route_rows(torch.argsort(indices.view(-1), stable=True), indices.shape[1])
-        return ops.combine_rows(self(ops.dispatch_rows(z, routing), num_tokens_per_expert), routing, weights, dtype)
+        routed = ops.combine_rows(self(ops.dispatch_rows(z, routing), num_tokens_per_expert), routing, weights, dtype)
+        return routed, alongside() if alongside is not None else None
 
     def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
             num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -181,12 +191,14 @@ class LatentMoE(nn.Module):
         counts_f = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_f)
-        r = self.experts.route(z, weights, indices, counts_f.to(torch.int64), x.dtype)
+        # the shared experts go to the routed path as work that may overlap its communication
+        shared = (lambda: self.shared_experts(x)) if self.shared_experts is not None else None
+        r, s = self.experts.route(z, weights, indices, counts_f.to(torch.int64), x.dtype, alongside=shared)
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         y = self.routed_expert_up_proj(r) if self.routed_expert_up_proj is not None else r
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        if s is not None:
+            y = y + s
         return y.view(B, S, D)
 
     def init_weights(self) -> None:

@@ -1,0 +1,198 @@
+"""The all-to-all with work alongside (titan_kimi/parallel/overlapped_exchange.py) and the MoE's seam for it:
+the same values and gradients as the exchange and the work run apart, the order that lets them overlap in
+forward and backward (alone and in the hierarchical dispatch's route), and a MoE whose sum is unchanged bit for
+bit. The model's modules are imported inside the tests that use them: the two-rank test's spawned processes
+import this file, and torch alone starts them faster."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_kimi.parallel.overlapped_exchange import all_to_all_alongside
+
+# rank r sends SEND[r][j] rows to rank j
+SEND = [[2, 3], [1, 4]]
+
+
+def _exchange_and_work(rank: int, overlapped: bool, group) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs and gradients of one rank's exchange of random rows with a matmul beside it that reads the same
+    rows (so their gradient sums both paths)."""
+    generator = torch.Generator().manual_seed(10 + rank)
+    send = SEND[rank]
+    recv = [SEND[j][rank] for j in range(len(SEND))]
+    x = torch.randn(sum(send), 6, generator=generator).requires_grad_()
+    w = torch.randn(6, 3, generator=generator).requires_grad_()
+    cot_y = torch.randn(sum(recv), 6, generator=generator)
+    cot_s = torch.randn(sum(send), 3, generator=generator)
+    work = lambda: torch.tanh(x @ w)  # noqa: E731
+    if overlapped:
+        y, s = all_to_all_alongside(x, recv, send, group, work)
+    else:
+        y, s = all_to_all_single_autograd(x, recv, send, group), work()
+    y = y + 0  # the reference's lazily waited tensor: a plain one
+    ((y * cot_y).sum() + (s * cot_s).sum()).backward()
+    return [y.detach(), s.detach()], [x.grad, w.grad]
+
+
+def _two_rank_worker(rank: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        group = dist.group.WORLD
+        ours, ours_grads = _exchange_and_work(rank, True, group)
+        ref, ref_grads = _exchange_and_work(rank, False, group)
+        assert ours[0].shape == (sum(SEND[j][rank] for j in range(2)), 6)
+        for a, b in zip([*ours, *ours_grads], [*ref, *ref_grads]):
+            assert torch.equal(a, b), (rank, a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_exchange_with_work_alongside_equals_the_two_apart_on_two_ranks(tmp_path):
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the ops dispatched inside it, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _positions(names: list[str], name: str) -> list[int]:
+    return [i for i, n in enumerate(names) if n == name]
+
+
+def test_work_is_queued_between_the_exchange_and_its_wait_in_forward_and_backward(one_rank_group):
+    torch.manual_seed(0)
+    x = torch.randn(5, 4, requires_grad=True)
+    h, w = torch.randn(5, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    with _Ops() as forward:
+        y, s = all_to_all_alongside(x, [5], [5], one_rank_group, lambda: h @ w)
+    exchange, work, wait = (_positions(forward.names, n) for n in ("all_to_all_single", "mm", "wait_tensor"))
+    assert len(exchange) == len(work) == len(wait) == 1, forward.names
+    assert exchange[0] < work[0] < wait[0], forward.names
+    loss = (y * torch.randn_like(y)).sum() + (s * torch.randn_like(s)).sum()
+    with _Ops() as backward:
+        loss.backward()
+    # the reverse exchange is issued, the work's backward (its two mm's) runs, then the exchange is waited on
+    exchange, work, wait = (_positions(backward.names, n) for n in ("all_to_all_single", "mm", "wait_tensor"))
+    assert len(exchange) == len(wait) == 1 and len(work) == 2, backward.names
+    assert exchange[0] < min(work) and max(work) < wait[0], backward.names
+    assert x.grad is not None and h.grad is not None and w.grad is not None
+
+
+def test_without_work_it_is_the_plain_exchange(one_rank_group):
+    x = torch.randn(3, 2, requires_grad=True)
+    y, nothing = all_to_all_alongside(x, [3], [3], one_rank_group, None)
+    cot = torch.randn(3, 2)
+    (y * cot).sum().backward()
+    assert nothing is None and torch.equal(y, x) and torch.equal(x.grad, cot)
+
+
+def test_split_lists_of_different_lengths_are_refused(one_rank_group):
+    with pytest.raises(ValueError, match="2 output splits and 1 input splits"):
+        all_to_all_alongside(torch.randn(3, 2), [1, 2], [3], one_rank_group, None)
+
+
+def test_hierarchical_route_queues_the_shared_experts_before_any_wait(one_rank_group):
+    """``NodeDispatchExperts.route`` on one rank standing for both levels (the op order does not depend on the
+    group sizes): in forward the weights', ids' and rows' exchanges are issued and the shared experts queued
+    before the first wait; in backward the rows' reverse exchange is the only one issued when the shared
+    experts' backward starts, and the next collective op after it is the wait."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+    from titan_kimi.parallel.expert_node_dispatch import node_dispatch_class
+    from titan_kimi.parallel.expert_parallel import _permutation_on_any_device
+
+    torch.manual_seed(4)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    _permutation_on_any_device()
+    mesh, style, experts = init_device_mesh("cpu", (1,)), ExpertParallel(), moe.experts
+    experts.__class__ = node_dispatch_class(type(experts))  # as shard_by_node, both levels on the one rank
+    distribute_module(experts, mesh, style._partition_fn)
+    experts.across, experts.node, experts.node_style = mesh, mesh, style
+    record = _Ops()
+    for tag, register in (("<shared", "register_forward_pre_hook"), ("shared>", "register_forward_hook"),
+                          ("<shared_bw", "register_full_backward_pre_hook"),
+                          ("shared_bw>", "register_full_backward_hook")):
+        getattr(moe.shared_experts, register)(lambda *_, tag=tag: record.names.append(tag))
+    x = torch.randn(2, 7, 128, requires_grad=True)
+    with record:
+        y = moe(x)
+        y.backward(torch.randn_like(y))
+    names = [n for n in record.names if n in ("all_to_all_single", "wait_tensor") or "shared" in n]
+    start, end = names.index("<shared"), names.index("shared>")
+    last_wait = max(i for i in range(start) if names[i] == "wait_tensor")  # the split sizes' exchange
+    assert names[last_wait + 1:start] == ["all_to_all_single"] * 3 and names[end + 1] == "wait_tensor", names
+    start, end = names.index("<shared_bw"), names.index("shared_bw>")
+    assert names[start - 2:start] == ["wait_tensor", "all_to_all_single"], names
+    assert names[start + 1:end] == [] and names[end + 1] == "wait_tensor", names
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def _previous_forward(moe, x: torch.Tensor) -> torch.Tensor:
+    """LatentMoE's forward as it was before the seam: routed path, norm, up projection, then the shared experts
+    added."""
+    from lowerings import ops
+
+    B, S, D = x.shape
+    x = x.view(B * S, D)
+    weights, indices = moe.router(x)
+    z = moe.routed_expert_down_proj(x)
+    counts = torch.histc(indices.view(-1).float(), bins=moe.num_experts, min=0, max=moe.num_experts)
+    routing = ops.route_rows(torch.argsort(indices.view(-1), stable=True), indices.shape[1])
+    experts = moe.experts
+    r = ops.combine_rows(experts(ops.dispatch_rows(z, routing), counts.to(torch.int64)), routing, weights, x.dtype)
+    y = moe.routed_expert_up_proj(moe.routed_expert_norm(r))
+    return (y + moe.shared_experts(x)).view(B, S, D)
+
+
+def _output_and_grads(moe, forward, x: torch.Tensor, cot: torch.Tensor) -> list[torch.Tensor]:
+    x = x.clone().requires_grad_()
+    out = forward(moe, x)
+    params = [p for p in moe.parameters() if p.requires_grad]
+    return [out.detach(), *torch.autograd.grad(out, [x, *params], cot)]
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_moe_with_the_shared_experts_alongside_is_bitwise_the_previous_formula(monkeypatch, where):
+    """The default route runs the shared experts after the routed path; ``before`` stands for a route that
+    queues them first (as the node-level dispatch does beside its exchange): either way the MoE's output and
+    every gradient are the previous formula's, bit for bit."""
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+
+    torch.manual_seed(3)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    assert moe.shared_experts is not None and moe.routed_expert_norm is not None
+    if where == "before":
+        plain = moe.experts.route
+
+        def route_with_work_first(z, weights, indices, counts, dtype, alongside=None):
+            shared = alongside()
+            routed, nothing = plain(z, weights, indices, counts, dtype)
+            assert nothing is None
+            return routed, shared
+
+        monkeypatch.setattr(moe.experts, "route", route_with_work_first)
+    x, cot = torch.randn(2, 7, 128), torch.randn(2, 7, 128)
+    ours = _output_and_grads(moe, LatentMoE.forward, x, cot)
+    ref = _output_and_grads(moe, _previous_forward, x, cot)
+    assert len(ours) == len(ref) > 5
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
