@@ -217,7 +217,8 @@ def test_dry_run_models_the_hierarchical_ep_dispatch(capsys):
     NVLink and latency made negligible, the EP term shrinks by that ratio. An EP group inside one node is rejected."""
     args = [*STEP_TIME, "--parallelism.pipeline_parallel_degree", "1", "--training.global_batch_size", "32",
             "--parallelism.expert_parallel_degree", "4", "--step_time.gpus_per_node", "2",
-            "--step_time.latency_us", "0", "--step_time.nvlink_gb_per_s", "1e9"]
+            "--step_time.latency_us", "0", "--step_time.nvlink_gb_per_s", "1e9",
+            "--metrics.peak_flops", "1e30"]  # shared experts too fast to hide any of an exchange (test below)
     _, flat = _configured(run_main(capsys, *args))
     out = run_main(capsys, *args, "--parallelism.expert_parallel_dispatch", "hierarchical")
     assert "ep 4 (hierarchical), microbatch" in out
@@ -227,6 +228,34 @@ def test_dry_run_models_the_hierarchical_ep_dispatch(capsys):
     with pytest.raises(ValueError, match="expert_parallel_degree 4 is not 2\\+ whole nodes of 4 ranks"):
         run_main(capsys, *args, "--parallelism.expert_parallel_dispatch", "hierarchical",
                  "--step_time.gpus_per_node", "4")
+
+
+def test_hierarchical_dispatch_hides_its_rows_leg_behind_the_shared_experts(capsys):
+    """The hierarchical dispatch runs the shared experts' forward while the rows cross nodes (forward and the
+    recomputed forward under full AC) and their backward while the rows' gradient crosses back: with a NIC slow
+    enough, every one of those passes hides the shared experts' whole time (their FLOPs at the fallback rate).
+    The flat dispatch hides nothing."""
+    from titan_kimi.models.kimi_k3.flavors import model_args_for
+    from titan_kimi.parallel.step_time.stage_work import shared_expert_flops
+
+    args = [*STEP_TIME, "--parallelism.pipeline_parallel_degree", "1", "--training.global_batch_size", "32",
+            "--parallelism.expert_parallel_degree", "4", "--step_time.gpus_per_node", "2",
+            "--step_time.internode_gb_per_s", "0.3", "--step_time.latency_us", "0"]  # a leg ~1.4x their backward
+    peak = ["--metrics.peak_flops", "1e12"]
+    no_time = ["--metrics.peak_flops", "1e30"]
+    hier = ["--parallelism.expert_parallel_dispatch", "hierarchical"]
+    _, shown = _configured(run_main(capsys, *args, *hier, *peak))
+    _, unhidden = _configured(run_main(capsys, *args, *hier, *no_time))
+    model = model_args_for("k31_debug")
+    moe_layers = [layer for layer in range(model.n_layers) if model.is_moe_layer(layer)]
+    shared = shared_expert_flops(model, moe_layers[0], 4 * 32)  # one microbatch of 4 rows x 32 tokens per rank
+    assert shared.forward > 0 and shared.backward == pytest.approx(2 * shared.forward)
+    rate = 0.4 * 1e12  # step_time.fallback_mfu x metrics.peak_flops
+    hidden = len(moe_layers) * (2 * shared.forward + shared.backward) / rate  # forward, recompute, backward
+    assert unhidden["EP all-to-all"] - shown["EP all-to-all"] == pytest.approx(hidden, rel=0.02)
+    _, flat = _configured(run_main(capsys, *args, *peak))
+    _, flat_unhidden = _configured(run_main(capsys, *args, *no_time))
+    assert flat["EP all-to-all"] == flat_unhidden["EP all-to-all"]
 
 
 def test_collectives_benchmark_sets_each_collective_beside_the_model(tmp_path):

@@ -14,7 +14,7 @@ import torch
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.block import KimiK3Block
-from titan_kimi.models.kimi_k3.layer_flops import ZERO, LayerFlops, block_flops, head_flops
+from titan_kimi.models.kimi_k3.layer_flops import ZERO, LayerFlops, block_flops, head_flops, weight_flops
 from titan_kimi.models.kimi_k3.vision_accounting import vision_flops
 
 
@@ -53,6 +53,19 @@ def _meta_block(args_key: tuple, layer: int) -> KimiK3Block:
 def _layer_flops(args_key: tuple, layer: int, segments: tuple[int, ...], routed_rows: int, dsa_dense: bool) -> LayerFlops:
     args = KimiK3ModelArgs(**dict(args_key))
     return block_flops(_meta_block(args_key, layer), args, segments, routed_rows=routed_rows, dsa_dense=dsa_dense)
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_expert_flops(args_key: tuple, layer: int, tokens: int) -> LayerFlops:
+    block = _meta_block(args_key, layer)
+    shared = block.moe.shared_experts if block.moe_enabled else None
+    return weight_flops(shared, tokens) if shared is not None else ZERO
+
+
+def shared_expert_flops(args: KimiK3ModelArgs, layer: int, tokens: int) -> LayerFlops:
+    """The shared experts of MoE layer ``layer`` on ``tokens`` rows (zero for a dense layer or none): the work
+    the hierarchical EP dispatch runs while a layer's token rows cross nodes."""
+    return _shared_expert_flops(_args_key(args), _representative(args, layer), tokens)
 
 
 def _args_key(args: KimiK3ModelArgs) -> tuple:
