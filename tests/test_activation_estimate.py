@@ -1,9 +1,12 @@
-"""The fake-tensor activation estimate counts what the CUDA kernels keep, not what the CPU math kernels would."""
+"""The fake-tensor activation estimate: what the CUDA kernels keep (not what the CPU math kernels would), the most
+activations live at once, one EP rank's local experts."""
+
+import pytest
 
 from lowerings.catalog import BACKEND_OPS
 from lowerings.ops.registry import planned_backends
 from titan_kimi.models.kimi_k3 import model_args_for
-from titan_kimi.parallel.activation_estimate import estimate_activations
+from titan_kimi.parallel.activation_estimate import estimate_activations, local_expert_args
 
 
 def test_dense_attention_is_estimated_as_a_fused_kernel_linear_in_tokens():
@@ -17,20 +20,29 @@ def test_dense_attention_is_estimated_as_a_fused_kernel_linear_in_tokens():
     assert 1.9 < large / small < 2.3, (small, large)
 
 
-def test_the_peak_only_tracker_gives_torchs_memtracker_peak(monkeypatch):
-    """The estimate's tracker skips MemTracker's per-module peaks (quadratic in the layers) and keeps its
-    process-wide peak: the same numbers as torch's MemTracker on a model with every layer kind and checkpointing."""
-    from torch.distributed._tools.mem_tracker import MemTracker
 
-    import titan_kimi.parallel.activation_estimate as estimate
-
-    args = model_args_for("k31_debug")
+def _activations(args, layer_range, *, rows=1, seq_len=16, ep=1) -> float:
     kernels = planned_backends({op: "auto" for op in BACKEND_OPS})
+    return estimate_activations(args, kernels=kernels, rows=rows, seq_len=seq_len, cp=1, cp_layout="zigzag",
+                                layer_range=layer_range, ac_mode="full", ep=ep)["activations"] * 2**30
 
-    def run() -> dict[str, float]:
-        return estimate_activations(args, kernels=kernels, rows=2, seq_len=256, cp=1, cp_layout="zigzag",
-                                    ac_mode="full")
 
-    ours = run()
-    monkeypatch.setattr(estimate, "_peak_tracker", MemTracker)
-    assert ours == run() and ours["activations"] > 0
+def test_the_peak_is_the_most_activations_live_not_their_share_at_the_weights_peak():
+    """Under full checkpointing every layer keeps at least its input until its backward, so 4 more layers keep
+    at least 4 more inputs. On few tokens the gradients dominate, and parameters + gradients + activations peak at
+    the end of the backward, when little is left: the activations read at that moment fell with more layers."""
+    args = model_args_for("k31_debug_pp")  # 2-layer AttnRes blocks: stages of 2 and 6 layers
+    one_input = 16 * args.dim * 2  # a 16-token row's hidden state in bf16
+    two, six = _activations(args, (2, 4)), _activations(args, (2, 8))
+    assert six - two >= 4 * one_input, (two / one_input, six / one_input)
+
+
+def test_each_moe_layer_holds_one_ep_ranks_local_experts():
+    """At EP4 a rank holds 16 of 64 experts: the weight-gradient temporaries of the 48 others (a w13 gradient
+    each, the largest) are not on it. The experts never fall below top_k, so the router can choose its k."""
+    args = model_args_for("k31_debug_pp", num_experts=64)
+    w13 = 2 * args.moe_inter_dim * args.moe_latent_dim * 2
+    assert _activations(args, (2, 4)) - _activations(args, (2, 4), ep=4) >= 0.99 * 48 * w13
+    assert local_expert_args(args, 4).num_experts == 16 and local_expert_args(args, 64).num_experts == 2
+    with pytest.raises(ValueError, match="expert parallel degree 3 does not divide the 64 experts"):
+        local_expert_args(args, 3)
