@@ -38,7 +38,10 @@ def main() -> int:
                                        "--parallelism.context_parallel_degree", str(cp),
                                        "--parallelism.context_parallel_layout", opts.layout,
                                        "--training.seq_len", str(T), "--training.local_batch_size", "1",
-                                       "--activation_checkpoint.mode", ac, "--job.estimate_activations"])
+                                       "--activation_checkpoint.mode", ac, "--job.estimate_activations",
+                                       # checkpointed blocks compile whole (module granularity is refused with
+                                       # them); compile does not enter the estimate
+                                       "--compile.granularity", "module" if ac == "none" else "block"])
                 args = model_args_from_config(cfg)
                 layout = resolve_layout(cfg, cp, args)
                 states_line, act_line = describe_ranks(cfg, args, layout, activations=True)

@@ -33,6 +33,7 @@ from titan_kimi.models.kimi_k3.sequence import build_sequence_info
 from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_kimi.parallel.context_parallel import ContextParallel
 
+
 def _activation_peak_tracker():
     """torch's ``MemTracker`` keeping, instead of its peaks, the most bytes of activations and temporaries live
     at once (``activation_peak``). Its own peak update also walks every module tracked so far at every op: ops
