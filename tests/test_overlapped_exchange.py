@@ -46,6 +46,7 @@ def _two_rank_worker(rank: int, store: str) -> None:
         assert ours[0].shape == (sum(SEND[j][rank] for j in range(2)), 6)
         for a, b in zip([*ours, *ours_grads], [*ref, *ref_grads]):
             assert torch.equal(a, b), (rank, a, b)
+        dist.barrier()  # a rank that tears its group down while the other still receives aborts it (gloo)
     finally:
         dist.destroy_process_group()
 
@@ -196,3 +197,22 @@ def test_moe_with_the_shared_experts_alongside_is_bitwise_the_previous_formula(m
     assert len(ours) == len(ref) > 5
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)
+
+
+def test_plain_route_runs_the_work_between_the_experts_and_the_combine(monkeypatch):
+    """Under torchtitan's flat dispatch the experts' forward returns the combine's exchange unwaited: the route
+    queues the shared experts after the experts and before the combine reads the rows, so they overlap it."""
+    from lowerings import ops
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+
+    torch.manual_seed(5)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    order: list[str] = []
+    moe.experts.register_forward_hook(lambda *_: order.append("experts"))
+    moe.shared_experts.register_forward_pre_hook(lambda *_: order.append("shared"))
+    combine = ops.combine_rows
+    monkeypatch.setattr(ops, "combine_rows", lambda *a, **k: order.append("combine") or combine(*a, **k))
+    moe(torch.randn(2, 7, 128))
+    assert order == ["experts", "shared", "combine"]
