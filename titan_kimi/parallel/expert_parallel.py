@@ -77,9 +77,9 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_flat(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """torchtitan's ``ExpertParallel``: the experts' shards, fed by its all-to-all hooks. Its hooks wait inside
-    ``forward``, so the MoE's shared experts run after the routed path (``GroupedExperts.route``), not beside
-    the exchanges as under the hierarchical dispatch."""
+    """torchtitan's ``ExpertParallel``: the experts' shards, fed by its all-to-all hooks. The combine's exchange
+    leaves ``forward`` unwaited, and ``GroupedExperts.route`` runs the MoE's shared experts before the combine
+    reads it; the dispatch waits inside the hook, and every backward exchange waits at once."""
     from torch.distributed.tensor.parallel import parallelize_module
     from torchtitan.distributed.expert_parallel import ExpertParallel
 

@@ -91,14 +91,16 @@ class GroupedExperts(nn.Module):
         ``[T, L]`` in ``dtype``, and ``alongside()``'s result (None without it).
 
         ``alongside`` is work independent of the routed rows (the MoE's shared experts), run where it can overlap
-        the routed path's communication. Here it runs once the routed path is done, so a MoE's numerics and its
-        backward's order are those of adding the shared experts after it. Expert parallelism wraps ``forward``
-        (torchtitan's flat dispatch keeps this order); its node-level dispatch
-        (``titan_kimi.parallel.expert_node_dispatch``) replaces this method and runs ``alongside`` while the
-        rows cross nodes."""
+        the routed path's communication; the MoE's output and gradients are those of adding it after the routed
+        path. Here it runs between the experts and the combine: expert parallelism wraps ``forward``, and
+        torchtitan's flat dispatch returns the combine's exchange from it still in flight. The node-level
+        dispatch (``titan_kimi.parallel.expert_node_dispatch``) replaces this method and runs ``alongside``
+        while the rows cross nodes."""
         routing = ops.route_rows(torch.argsort(indices.view(-1), stable=True), indices.shape[1])
-        routed = ops.combine_rows(self(ops.dispatch_rows(z, routing), num_tokens_per_expert), routing, weights, dtype)
-        return routed, alongside() if alongside is not None else None
+        rows = self(ops.dispatch_rows(z, routing), num_tokens_per_expert)
+        # between the experts and the combine: under expert parallelism the combine's exchange is then in flight
+        beside = alongside() if alongside is not None else None
+        return ops.combine_rows(rows, routing, weights, dtype), beside
 
     def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
             num_tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,9 @@ does. See docs/step_time_model.md for the equations and what overlaps.
 What runs where (torchtitan 0.2.2 + torch.distributed.pipelining as this project drives them):
 - the EP dispatch and combine (torchtitan's ExpertParallel) are synchronous inside the MoE forward: exposed,
   2 all-to-alls in the forward, 2 in the backward, and 2 more when activation checkpointing recomputes it
-  (the hierarchical dispatch: each of them one exchange across nodes, then one inside the node; the shared
-  experts run while the dispatch's rows cross nodes, their backward while those rows' gradient crosses back);
+  (the hierarchical dispatch: each of them one exchange across nodes, then one inside the node); the shared
+  experts run beside one exchange: the hierarchical dispatch's rows crossing nodes (their backward beside those
+  rows' gradient crossing back), the flat combine in the forward;
 - context-parallel exchanges are synchronous inside the layers: exposed (recomputed under checkpointing too);
 - FSDP2 prefetches the next unit's all-gather while a unit computes: only what a layer's compute cannot hide
   is exposed. Under pipeline parallelism the units stay gathered for the step (gathered in the first
@@ -223,15 +224,17 @@ class StepTimeModel:
             across = ep_all_to_all_bytes(tokens, 1, latent) * nodes_per_token(a.num_experts, a.num_experts_per_tok,
                                                                                nodes) * factor
             one, one_nic = net.node_all_to_all(across, nodes, sent, node), net.nic_node_all_to_all(across, nodes)
-            leg = one_nic  # the rows' leg across nodes, which the shared experts run beside
+            # the shared experts run beside the dispatch's rows leg across nodes, forward and backward
+            leg, leg_backward = one_nic, True
         else:
             one, one_nic = net.all_to_all(sent, layout.ep), net.nic_all_to_all(sent, layout.ep)
-            leg = 0.0  # torchtitan's hooks: nothing runs beside the exchanges
+            # beside torchtitan's combine in the forward; its backward's exchanges wait at once
+            leg, leg_backward = one, False
         rows = layout.microbatch_size if layout.pipeline is not None else self.cfg.training.local_batch_size
         whole = rows * self.cfg.training.seq_len  # the CP group's tokens
         for layer in range(*layer_range):
             if a.is_moe_layer(layer) and layout.ep > 1:
-                hide_f, hide_b = self._beside_shared_experts(layer, tokens, leg)
+                hide_f, hide_b = self._beside_shared_experts(layer, tokens, leg, leg_backward)
                 fwd += 2 * one - hide_f
                 bwd += (2 + 2 * self.ep_ac) * one - hide_b - self.ep_ac * hide_f
                 ep_total += (4 + 2 * self.ep_ac) * one - (1 + self.ep_ac) * hide_f - hide_b
@@ -250,16 +253,18 @@ class StepTimeModel:
                 nic += x_nic * (2 + self.ac)
         return fwd, bwd, ep_total, nic
 
-    def _beside_shared_experts(self, layer: int, tokens: int, leg: float) -> tuple[float, float]:
-        """Seconds of a MoE layer's ``leg`` (an exchange's time across nodes) hidden by its shared experts in a
-        forward and in a backward: the hierarchical dispatch runs their forward while the rows cross and their
-        backward while the rows' gradient crosses back (``parallel/overlapped_exchange.py``). Their time: their
-        FLOPs at ``step_time.fallback_mfu`` (the table times whole layers, not the shared experts)."""
+    def _beside_shared_experts(self, layer: int, tokens: int, leg: float, backward: bool) -> tuple[float, float]:
+        """Seconds of a MoE layer's exchange ``leg`` hidden by its shared experts in a forward and in a backward
+        (``backward`` False: none there). The hierarchical dispatch runs their forward while the rows cross nodes
+        and their backward while the rows' gradient crosses back (``parallel/overlapped_exchange.py``); under the
+        flat dispatch they run while torchtitan's combine exchange is in flight (``GroupedExperts.route``), whose
+        backward waits at once. Their time: their FLOPs at ``step_time.fallback_mfu`` (the table times whole
+        layers, not the shared experts)."""
         if leg <= 0.0:
             return 0.0, 0.0
         shared = shared_expert_flops(self.args, layer, tokens)
         rate = self.s.fallback_mfu * self.s.peak_flops
-        return min(leg, shared.forward / rate), min(leg, shared.backward / rate)
+        return min(leg, shared.forward / rate), min(leg, shared.backward / rate) if backward else 0.0
 
     def _boundary_bytes(self, layer: int, tokens: int) -> float:
         """Hidden state and AttnRes bank crossing to the next stage after ``layer`` (and its gradient back)."""
