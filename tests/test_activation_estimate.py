@@ -20,7 +20,6 @@ def test_dense_attention_is_estimated_as_a_fused_kernel_linear_in_tokens():
     assert 1.9 < large / small < 2.3, (small, large)
 
 
-
 def _activations(args, layer_range, *, rows=1, seq_len=16, ep=1) -> float:
     kernels = planned_backends({op: "auto" for op in BACKEND_OPS})
     return estimate_activations(args, kernels=kernels, rows=rows, seq_len=seq_len, cp=1, cp_layout="zigzag",

@@ -104,28 +104,31 @@ def test_split_lists_of_different_lengths_are_refused(one_rank_group):
         all_to_all_alongside(torch.randn(3, 2), [1, 2], [3], one_rank_group, None)
 
 
+def dispatch_by_node_on_one_rank(moe, device: str) -> None:
+    """``moe``'s experts with the hierarchical dispatch's route, this one rank standing for both levels (the
+    config refuses one-rank nodes, so not through ``shard_by_node``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_kimi.parallel.expert_node_dispatch import dispatch_by_node
+    from titan_kimi.parallel.expert_parallel import _permutation_on_any_device
+
+    _permutation_on_any_device()
+    mesh = init_device_mesh(device, (1,))
+    dispatch_by_node(moe.experts, mesh, mesh, mesh)
+
+
 def test_hierarchical_route_queues_the_shared_experts_before_any_wait(one_rank_group):
     """``NodeDispatchExperts.route`` on one rank standing for both levels (the op order does not depend on the
     group sizes): in forward the weights', ids' and rows' exchanges are issued and the shared experts queued
     before the first wait; in backward the rows' reverse exchange is the only one issued when the shared
     experts' backward starts, and the next collective op after it is the wait."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_module
-    from torchtitan.distributed.expert_parallel import ExpertParallel
-
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.models.kimi_k3.moe import LatentMoE
-    from titan_kimi.parallel.expert_node_dispatch import node_dispatch_class
-    from titan_kimi.parallel.expert_parallel import _permutation_on_any_device
 
     torch.manual_seed(4)
     moe = LatentMoE(model_args_for("k3_debug"))
     moe.init_weights()
-    _permutation_on_any_device()
-    mesh, style, experts = init_device_mesh("cpu", (1,)), ExpertParallel(), moe.experts
-    experts.__class__ = node_dispatch_class(type(experts))  # as shard_by_node, both levels on the one rank
-    distribute_module(experts, mesh, style._partition_fn)
-    experts.across, experts.node, experts.node_style = mesh, mesh, style
+    dispatch_by_node_on_one_rank(moe, "cpu")
     record = _Ops()
     for tag, register in (("<shared", "register_forward_pre_hook"), ("shared>", "register_forward_hook"),
                           ("<shared_bw", "register_full_backward_pre_hook"),

@@ -14,8 +14,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture
 def nccl_one_rank(tmp_path):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    """A one-rank NCCL group on GPU 0 (only @pytest.mark.gpu tests use it: conftest skips them without CUDA)."""
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -56,14 +55,9 @@ def test_nccl_exchange_with_work_alongside_equals_the_two_apart(nccl_one_rank):
 
 @pytest.mark.gpu
 def test_hierarchical_route_on_cuda_matches_the_plain_moe(nccl_one_rank):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_module
-    from torchtitan.distributed.expert_parallel import ExpertParallel
-
+    from tests.test_overlapped_exchange import dispatch_by_node_on_one_rank
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.models.kimi_k3.moe import LatentMoE
-    from titan_kimi.parallel.expert_node_dispatch import node_dispatch_class
-    from titan_kimi.parallel.expert_parallel import _permutation_on_any_device
 
     torch.manual_seed(1)
     args = model_args_for("k3_debug", num_experts=16, moe_inter_dim=128, moe_latent_dim=128)
@@ -72,11 +66,7 @@ def test_hierarchical_route_on_cuda_matches_the_plain_moe(nccl_one_rank):
     plain = plain.to("cuda", torch.bfloat16)
     node = LatentMoE(args).to("cuda", torch.bfloat16)
     node.load_state_dict(plain.state_dict())
-    _permutation_on_any_device()
-    mesh, style, experts = init_device_mesh("cuda", (1,)), ExpertParallel(), node.experts
-    experts.__class__ = node_dispatch_class(type(experts))  # as shard_by_node, both levels on the one rank
-    distribute_module(experts, mesh, style._partition_fn)
-    experts.across, experts.node, experts.node_style = mesh, mesh, style
+    dispatch_by_node_on_one_rank(node, "cuda")
     x = torch.randn(2, 64, args.dim, device="cuda", dtype=torch.bfloat16)
     cot = torch.randn_like(x)
     results = []

@@ -38,7 +38,7 @@ from titan_kimi.parallel.overlapped_exchange import all_to_all_alongside
 
 class NodeDispatchExperts(ExpertShardGroupedExperts):
     """The routed experts of one EP rank whose ``route`` moves rows node by node (set up by
-    ``shard_by_node``: ``across`` and ``node`` meshes, torchtitan's ``ExpertParallel`` for the node level)."""
+    ``dispatch_by_node``: ``across`` and ``node`` meshes, torchtitan's ``ExpertParallel`` for the node level)."""
 
     across: DeviceMesh
     node: DeviceMesh
@@ -125,14 +125,19 @@ def node_meshes(ep_mesh: DeviceMesh, node_size: int) -> tuple[DeviceMesh, Device
     return mesh["ep_across"], mesh["ep_node"]
 
 
-def shard_by_node(experts: nn.Module, ep_mesh: DeviceMesh, node_size: int = 0) -> None:
-    """Shard ``experts`` over ``ep_mesh`` as torchtitan's ``ExpertParallel`` does, with the node-level routed path
-    in place of its all-to-all hooks (``apply_expert_parallel``'s ``shard``, ``node_size`` bound)."""
+def dispatch_by_node(experts: nn.Module, ep_mesh: DeviceMesh, across: DeviceMesh, node: DeviceMesh) -> None:
+    """``experts`` sharded over ``ep_mesh`` as torchtitan's ``ExpertParallel`` does, their routed path moving
+    rows over ``across`` (this rank's peers on the other nodes) and ``node`` (its own node's EP ranks)."""
     from torch.distributed.tensor import distribute_module
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
-    across, node = node_meshes(ep_mesh, node_size)
     style = ExpertParallel()
     experts.__class__ = node_dispatch_class(type(experts))
     distribute_module(experts, ep_mesh, style._partition_fn)  # the weights' shards; no input or output hooks
     experts.across, experts.node, experts.node_style = across, node, style
+
+
+def shard_by_node(experts: nn.Module, ep_mesh: DeviceMesh, node_size: int = 0) -> None:
+    """Shard ``experts`` over ``ep_mesh`` with the node-level routed path in place of torchtitan's all-to-all
+    hooks (``apply_expert_parallel``'s ``shard``, ``node_size`` bound)."""
+    dispatch_by_node(experts, ep_mesh, *node_meshes(ep_mesh, node_size))

@@ -64,7 +64,7 @@ def _shared_expert_flops(args_key: tuple, layer: int, tokens: int) -> LayerFlops
 
 def shared_expert_flops(args: KimiK3ModelArgs, layer: int, tokens: int) -> LayerFlops:
     """The shared experts of MoE layer ``layer`` on ``tokens`` rows (zero for a dense layer or none): the work
-    the hierarchical EP dispatch runs while a layer's token rows cross nodes."""
+    the MoE runs beside one of its expert-parallel exchanges."""
     return _shared_expert_flops(_args_key(args), _representative(args, layer), tokens)
 
 
