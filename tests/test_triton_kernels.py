@@ -719,13 +719,21 @@ def test_gpu_situ_glu():
     from lowerings.kernels.situ_glu import situ_glu_backward, situ_glu_forward
 
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(8192, 2 * 1536, generator=gen) * 4).to("cuda", torch.bfloat16)
-    dy = torch.randn(8192, 1536, generator=gen).to("cuda", torch.bfloat16)
-    xr = x.float().requires_grad_()
-    ref = ref_situ_glu(xr)
-    ref.backward(dy.float())
-    assert rel_err(situ_glu_forward(x), ref) <= 1e-2
-    assert rel_err(situ_glu_backward(dy, x), xr.grad) <= 1e-2
+    # the experts' F = 3,072 in whole column blocks, a ragged row count, and F = 1,000 with a masked last block;
+    # each at the shipped tiles and at tiles whose rows and columns differ from them
+    for rows, F in ((4099, 3072), (8192, 1536), (513, 1000)):
+        x = torch.randn(rows, 2 * F, generator=gen) * 4
+        x[0, :4] = torch.tensor([1e-6, -3e-4, 90.0, -300.0])  # tiny and saturated gates and up values
+        x[0, F:F + 4] = torch.tensor([2e-6, -1e-3, 900.0, -3000.0])
+        x = x.to("cuda", torch.bfloat16)
+        dy = torch.randn(rows, F, generator=gen).to("cuda", torch.bfloat16)
+        xr = x.float().requires_grad_()
+        ref = ref_situ_glu(xr)
+        ref.backward(dy.float())
+        for tiles in (None, (1, 256, 4), (8, 512, 8)):
+            y, dx = situ_glu_forward(x, tiles=tiles), situ_glu_backward(dy, x, tiles=tiles)
+            assert rel_err(y, ref) <= 1e-2 and rel_err(dx, xr.grad) <= 1e-2, (rows, F, tiles)
+            assert torch.isfinite(dx).all()
 
 
 @pytest.mark.gpu

@@ -328,6 +328,10 @@ def op_short_conv(r: Runner, folder: Path) -> None:
     checked_script(r, folder, "short_conv", "scripts/bench/short_conv.py", timeout=120)
 
 
+def op_situ_glu(r: Runner, folder: Path) -> None:
+    checked_script(r, folder, "situ_glu", "scripts/bench/situ_glu.py", timeout=180)
+
+
 FLASH_BUILD_RC = Path("/tmp/flash_build.rc")
 
 
@@ -495,6 +499,8 @@ def single_gpu_parts() -> list[Part]:
              op_router_logits),
         Part("op_short_conv", "the KDA short convolution at k31.toml's KDA shape: the formula (eager, compiled) "
                               "against the Triton kernels", op_short_conv),
+        Part("op_situ_glu", "SiTU-GLU at the k31.toml rank's routed, shared and dense shapes: the formula (eager, "
+                            "compiled) against the Triton kernels, and the kernels' tiles", op_situ_glu),
         Part("flash_mla_build", "build FlashMLA's sm90 sparse forward in the background (for op_sparse_attention "
                                 "and the flash_mla tests)", flash_mla_build),
         Part("resume_exactness", "k3_small 20 steps straight (cold, warm) vs 10 + resume + 10 (warm, cold caches)",
@@ -521,4 +527,4 @@ def single_gpu_parts() -> list[Part]:
 
 GROUPS = {"ops": ["op_loss_optimizer", "op_causal_attention", "op_kda", "op_fused", "op_sparse_attention",
                   "op_dsa_layer", "op_cp_dsa_layer", "op_moe_alignment", "op_routed_combine",
-                  "op_router_logits", "op_short_conv"]}
+                  "op_router_logits", "op_short_conv", "op_situ_glu"]}
