@@ -74,7 +74,8 @@ def test_hierarchical_route_on_cuda_matches_the_plain_moe(nccl_one_rank):
         xi = x.clone().requires_grad_()
         out = moe(xi)
         out.backward(cot)
-        grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for n, p in moe.named_parameters()}
+        grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) for n, p in moe.named_parameters()
+                 if p.requires_grad}  # (the router's selection bias is not trained)
         results.append((out.detach(), xi.grad, grads))
     torch.cuda.synchronize()
     (out_p, dx_p, g_p), (out_n, dx_n, g_n) = results
@@ -82,4 +83,4 @@ def test_hierarchical_route_on_cuda_matches_the_plain_moe(nccl_one_rank):
     assert rel_err(out_n, out_p) < 1e-2 and rel_err(dx_n, dx_p) < 1e-2
     assert g_p.keys() == g_n.keys()
     for name in g_p:
-        assert rel_err(g_n[name], g_p[name]) < 1e-2, name
+        assert g_p[name] is not None and rel_err(g_n[name], g_p[name]) < 1e-2, name
