@@ -88,13 +88,13 @@ def compile_triton_op_kernels() -> dict[str, dict]:
     def i32(*names: str) -> dict[str, str]:
         return {n: "i32" for n in names}
 
-    situ = {"BLOCK_F": 1024}
+    situ = {"BLOCK_R": 4, "BLOCK_F": 1024}
     attn = {"BLOCK_M": 16, "BLOCK_H": 512}
     cases = {
-        "situ_glu_fwd": (_situ_glu_fwd_kernel, {"X": "*bf16", "Y": "*bf16", **i32("stride_x", "stride_y", "F"),
+        "situ_glu_fwd": (_situ_glu_fwd_kernel, {"X": "*bf16", "Y": "*bf16", **i32("stride_x", "stride_y", "N", "F"),
                                                 "beta": "fp64", "beta_lin": "fp64"}, situ),
         "situ_glu_bwd": (_situ_glu_bwd_kernel, {"X": "*bf16", "DY": "*bf16", "DX": "*bf16",
-                                                **i32("stride_x", "stride_dy", "stride_dx", "F"),
+                                                **i32("stride_x", "stride_dy", "stride_dx", "N", "F"),
                                                 "beta": "fp64", "beta_lin": "fp64"}, situ),
         "attn_res_fwd": (_attn_res_fwd_kernel, {"BANK": "*bf16", "PART": "*bf16", "WG": "*fp32", "OUT": "*bf16",
                                                 **i32("stride_bn", "stride_bm", "stride_pn", "stride_on", "M", "HD"),
