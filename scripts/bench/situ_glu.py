@@ -58,7 +58,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--baseline", type=Path, help="an earlier kernel module to time beside the shipped one")
-    parser.add_argument("--tiles", nargs="*", default=["4x1024x8", "2x1024x4", "2x1024x8", "4x1024x16", "1x1024x4", "4x512x4", "8x1024x8"],
+    parser.add_argument("--tiles", nargs="*",
+                        default=["4x1024x8", "2x1024x4", "2x1024x8", "4x1024x16", "1x1024x4", "4x512x4", "8x1024x8"],
                         help="the kernels' (rows x columns x warps) per program, timed on the routed shape")
     parser.add_argument("--out", type=Path, required=True)
     opts = parser.parse_args()
