@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
 from titan_kimi.parallel.expert_parallel import ExpertShardGroupedExperts, expert_shard_class
-from titan_kimi.parallel.overlapped_exchange import all_to_all_alongside
+from titan_kimi.parallel.overlapped_exchange import all_to_all_alongside, wait_tensor
 
 
 class NodeDispatchExperts(ExpertShardGroupedExperts):
@@ -66,7 +66,7 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         relay_weights = all_to_all_single_autograd(pair_weights, recv_splits, send_splits, group)
         pending_experts = all_to_all_single(experts, recv_splits, send_splits, group)  # ids: no gradient
         rows, shared = all_to_all_alongside(z[pair_token], recv_splits, send_splits, group, alongside)
-        relay_experts = _wait(pending_experts)
+        relay_experts = wait_tensor(pending_experts)
         sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
         back = all_to_all_single_autograd(sums, send_splits, recv_splits, group)
         total = back.new_zeros(tokens, back.shape[1], dtype=torch.float32)
@@ -86,13 +86,9 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         weighted = out.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         return weighted.new_zeros(rows.shape[0], out.shape[1]).index_add(0, source, weighted).to(dtype)
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return torch.ops._c10d_functional.wait_tensor(t)
-
-
 def _exchange(counts: torch.Tensor, group) -> torch.Tensor:
     """Each rank's ``counts [n]`` (entry j for rank j of ``group``) -> what every rank sends to this one."""
-    return _wait(all_to_all_single(counts, None, None, group))
+    return wait_tensor(all_to_all_single(counts, None, None, group))
 
 
 @functools.cache

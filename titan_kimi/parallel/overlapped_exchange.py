@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 # The raw functional ops: torch's Python wrapper returns a lazily waited tensor in eager and waits at once when
-# traced, while the point here is to choose where the wait goes.
+# traced, while the point here is to choose where the wait goes. ``wait_tensor`` also serves the node-level
+# dispatch's unwaited exchanges.
 _all_to_all = torch.ops._c10d_functional.all_to_all_single
-_wait = torch.ops._c10d_functional.wait_tensor
+wait_tensor = torch.ops._c10d_functional.wait_tensor
 
 
 class _Start(torch.autograd.Function):
@@ -38,7 +39,7 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _: None, pending: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None]:
-        return (None if pending is None else _wait(pending)), None, None, None
+        return (None if pending is None else wait_tensor(pending)), None, None, None
 
 
 class _Finish(torch.autograd.Function):
@@ -51,7 +52,7 @@ class _Finish(torch.autograd.Function):
         ctx.splits, ctx.group_name = (output_splits, input_splits), group_name
         # wait_tensor hands back its input; autograd.Function returns an unchanged input as a view of it
         # (metadata only), so the output gets this node as its grad_fn.
-        return _wait(pending)
+        return wait_tensor(pending)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[None, torch.Tensor, None, None, None]:
