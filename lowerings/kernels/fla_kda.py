@@ -1,8 +1,10 @@
 """Adapter from the ``titan_kimi::kda`` op contract to FLA 0.6.0's chunked KDA kernels (wrapped, not rewritten).
 
-The forward keeps what FLA's own autograd Function saves (normalised q/k with their inverse norms and the
-intra-chunk matrices Aqk/Akk) and hands it to the op as residuals, so the backward runs FLA's backward
-without recomputing the forward. The gate is computed inside FLA's kernels (``use_gate_in_kernel``).
+The forward hands the op what FLA's own autograd Function saves, as residuals: the intra-chunk matrices
+Aqk/Akk and the inverse norms of q and k, so the backward runs FLA's backward without recomputing the forward.
+The normalised q and k themselves are not kept: the backward rebuilds them bit for bit from q, k (saved anyway)
+and the inverse norms (FLA's l2norm stores the fp32 ``x * rstd`` rounded to x's dtype), which halves what a
+checkpointing policy that keeps the op's outputs holds per KDA layer. The gate is computed inside FLA's kernels (``use_gate_in_kernel``).
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ def residual_shapes(q: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]
     """Shapes and dtypes of the residuals the forward returns (for the op's fake implementation)."""
     # exactly what FLA returns (Inductor asserts sizes and strides): l2norm_fwd's inverse norms are [B, T, H]
     B, T, H, K = q.shape
-    return [(q.shape, q.dtype), ((B, T, H), torch.float32), (q.shape, q.dtype), ((B, T, H), torch.float32),
-            ((B, T, H, CHUNK), q.dtype), ((B, T, H, CHUNK), q.dtype)]
+    return [((B, T, H), torch.float32), ((B, T, H), torch.float32), ((B, T, H, CHUNK), q.dtype),
+            ((B, T, H, CHUNK), q.dtype)]
 
 
 def fla_kda_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens, initial_state,
@@ -83,7 +85,12 @@ def fla_kda_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seq
     )
     if final is None:
         final = q.new_zeros(0, dtype=torch.float32)
-    return o.to(v.dtype), final, [q_n, q_rstd, k_n, k_rstd, Aqk, Akk]
+    return o.to(v.dtype), final, [q_rstd, k_rstd, Aqk, Akk]
+
+
+def _normalised(x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """FLA's ``l2norm_fwd(x)`` output from its inverse norms: the same fp32 product, the same rounding."""
+    return (x.float() * rstd.unsqueeze(-1)).to(x.dtype).contiguous()
 
 
 def fla_kda_backward(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seqlens,
@@ -96,7 +103,8 @@ def fla_kda_backward(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound
 
     use_fresh_graph_buffers()  # FLA's graph mode would share one process-wide buffer set across layers
 
-    q_n, q_rstd, k_n, k_rstd, Aqk, Akk = residuals
+    q_rstd, k_rstd, Aqk, Akk = residuals
+    q_n, k_n = _normalised(q, q_rstd), _normalised(k, k_rstd)
     dq, dk, dv, db, dg, dh0, dA, dbias = chunk_kda_bwd(
         q=q_n, k=k_n, v=v.contiguous(), beta=beta.float().contiguous(), Aqk=Aqk, Akk=Akk, scale=scale,
         initial_state=initial_state, do=d_o.contiguous(), dht=d_final if output_final_state else None,
