@@ -1,4 +1,6 @@
-"""Activation checkpointing (full, every N-th block, per-op selective) changes memory, not the math."""
+"""Activation checkpointing (full, every N-th block, per-op selective, mixers) changes memory, not the math."""
+
+from collections import Counter
 
 import pytest
 import torch
@@ -23,7 +25,8 @@ def loss_and_grads(mode, option):
     return loss.detach(), grads, model
 
 
-@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "2")])
+@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "2"),
+                                          ("selective", "mixers")])
 def test_checkpointed_blocks_give_the_same_loss_and_gradients(mode, option):
     loss, grads, _ = loss_and_grads("none", "op")
     ckpt_loss, ckpt_grads, model = loss_and_grads(mode, option)
@@ -33,6 +36,41 @@ def test_checkpointed_blocks_give_the_same_loss_and_gradients(mode, option):
     assert grads.keys() == ckpt_grads.keys()
     for name in grads:
         assert torch.allclose(grads[name], ckpt_grads[name], rtol=1e-5, atol=1e-7), name
+
+
+def count_runs(monkeypatch, option):
+    """How many times each token mixer's implementation ran in one step (a kept output is not run again) and
+    how many times a linear layer ran (the checkpoints' recompute included)."""
+    from lowerings.ops.indexer_topk import indexer_topk_op
+    from lowerings.ops.kda import kda_op
+    from lowerings.ops.sparse_mla import sparse_mla_op
+
+    runs = Counter()
+    for name, op in (("kda", kda_op), ("sparse_mla", sparse_mla_op), ("indexer_topk", indexer_topk_op)):
+        def counted(*args, _name=name, _run=op._backend_fns[None], **kwargs):
+            runs[_name] += 1
+            return _run(*args, **kwargs)
+        monkeypatch.setitem(op._backend_fns, None, counted)  # the custom op's implementation, read at dispatch
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, *_: runs.update(["linear"]) if isinstance(module, torch.nn.Linear) else None)
+    try:
+        loss_and_grads("full" if option == "full" else "selective", option)
+    finally:
+        hook.remove()
+        monkeypatch.undo()
+    return runs
+
+
+def test_mixers_checkpointing_recomputes_everything_but_the_token_mixers(monkeypatch):
+    """k31_debug has KDA and DSA layers: under "mixers" each mixer runs once (its outputs kept) where full
+    checkpointing runs it twice, while every linear layer runs in the forward and again in the recompute."""
+    full, mixers = count_runs(monkeypatch, "full"), count_runs(monkeypatch, "mixers")
+    kda_layers = sum(1 for i in range(8) if model_args_for("k31_debug").is_kda_layer(i))
+    assert 0 < kda_layers < 8
+    names, layers = ("kda", "sparse_mla", "indexer_topk"), (kda_layers, 8 - kda_layers, 8 - kda_layers)
+    assert [full[n] for n in names] == [2 * n for n in layers]
+    assert [mixers[n] for n in names] == list(layers)
+    assert mixers["linear"] == full["linear"] > 0
 
 
 def test_checkpoint_loading_sees_through_the_wrappers(tmp_path):

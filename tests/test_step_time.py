@@ -161,6 +161,37 @@ def _configured(out: str) -> tuple[float, dict[str, float]]:
     return step, {name: float(value) for name, value in (t.rsplit(" ", 1) for t in terms.split(", "))}
 
 
+def test_mixers_checkpointing_holds_the_token_mixers_outputs_per_microbatch_in_flight(capsys):
+    """Full checkpointing but for the token mixers' outputs: the same step without a measured entry of its own
+    (the FLOP-rate fallback counts a whole forward again), and each layer's kept bytes more per microbatch held
+    (without PP: one microbatch, every layer on the rank)."""
+    from titan_kimi.config.loader import load_job_config
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.parallel.layout import resolve_layout
+    from titan_kimi.parallel.step_time.describe import settings_from_config
+    from titan_kimi.parallel.step_time.estimate import StepTimeModel
+    from titan_kimi.parallel.step_time.kept_outputs import kept_bytes
+
+    def estimate(*extra):
+        cfg = load_job_config([*STEP_TIME, "--parallelism.pipeline_parallel_degree", "1",
+                               "--training.global_batch_size", "32", *extra],
+                               environ={"WORLD_SIZE": "8"})
+        args = model_args_for("k31_debug")
+        model = StepTimeModel(cfg, args, None, settings_from_config(cfg))
+        layout = resolve_layout(cfg, 8, args)
+        return model.estimate(layout), model.works(layout, cfg.training.local_batch_size)[0], cfg
+
+    full, _, _ = estimate()
+    mixers, work, cfg = estimate("--activation_checkpoint.mode", "selective",
+                                 "--activation_checkpoint.selective_ac_option", "mixers")
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    kept = sum(kept_bytes(model_args_for("k31_debug"), kind, tokens) for _, kind, _ in work.layers)
+    assert kept > 0 and mixers.step_s == full.step_s
+    assert (mixers.memory_gib - full.memory_gib) * 2**30 == pytest.approx(kept)
+    out = run_main(capsys, *STEP_TIME, "--activation_checkpoint.mode", "selective")
+    assert "activations are modelled for full and mixers checkpointing only" in out
+
+
 def test_the_busiest_nic_bounds_the_step_when_compute_hides_the_gathers(capsys):
     """Without PP every microbatch gathers and reduce-scatters each FSDP unit behind compute; with every rank on
     its own node and a slow NIC, the hidden gathers, the reduce-scatters and the EP all-to-alls together take the

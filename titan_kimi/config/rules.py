@@ -138,9 +138,9 @@ def schedule_fits_in_training(cfg: JobConfig, source_of: SourceOf) -> None:
 
 def selective_ac_option_is_known(cfg: JobConfig, source_of: SourceOf) -> None:
     option = cfg.activation_checkpoint.selective_ac_option
-    if option != "op" and not (re.fullmatch(r"\d+", option) and int(option) >= 1):
+    if option not in ("op", "mixers") and not (re.fullmatch(r"\d+", option) and int(option) >= 1):
         raise _reject(cfg, "activation_checkpoint.selective_ac_option", source_of, "not a selective-AC option",
-                      "\"op\", or a block frequency written as digits >= 1 (e.g. \"2\")")
+                      "\"op\", \"mixers\", or a block frequency written as digits >= 1 (e.g. \"2\")")
 
 
 def compile_has_components(cfg: JobConfig, source_of: SourceOf) -> None:

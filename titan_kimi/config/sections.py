@@ -216,7 +216,9 @@ class ActivationCheckpoint:
     mode: str = option(
         "none", "activation checkpointing of decoder blocks", choices=("none", "full", "selective"))
     selective_ac_option: str = option(
-        "op", "selective mode: \"op\" (save chosen ops) or N as digits (checkpoint every Nth block)")
+        "op", "selective mode: \"op\" (save the token mixers', grouped GEMMs', every other matmul's and the expert "
+        "exchanges' outputs), \"mixers\" (recompute all but the token mixers' outputs: KDA, sparse MLA, the "
+        "indexer's top-k, attention) or N as digits (checkpoint every Nth block)")
 
 
 @dataclass

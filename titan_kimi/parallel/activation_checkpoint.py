@@ -1,4 +1,5 @@
-"""Activation checkpointing of decoder blocks: full, every N-th block, or per-op selective."""
+"""Activation checkpointing of decoder blocks: full, every N-th block, per-op selective, or full but for the
+token mixers' outputs ("mixers")."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import lowerings.ops  # noqa: F401 - registers the torch.ops.titan_kimi ops named below
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 
-# Outputs worth keeping: the token mixers and expert GEMMs are the expensive ops to recompute.
-_ALWAYS_SAVE = {
+# The token mixers: each output is small beside the pass over the sequence's keys or states that makes it (at
+# K3's width a KDA layer's output and FLA's residuals ~200 MB per 4,096 tokens, a DSA layer's ~440 MB, against
+# the whole layer's GEMMs), so keeping them takes the costliest non-GEMM part out of a layer's recompute.
+TOKEN_MIXERS = {
     torch.ops.titan_kimi.kda.default,
     torch.ops.titan_kimi.kda_cp.default,
     torch.ops.titan_kimi.sparse_mla.default,
+    torch.ops.titan_kimi.sparse_mla_distilled.default,
     torch.ops.titan_kimi.indexer_topk.default,
     # indexer distillation: a whole pass over the keys each, small outputs ([T], [T, k])
     torch.ops.titan_kimi.attention_lse.default,
@@ -25,6 +29,10 @@ _ALWAYS_SAVE = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._flash_attention_forward.default,  # the varlen document-causal attention of MLA layers
+}
+# Outputs worth keeping per op ("op"): the token mixers and the expert GEMMs are the expensive ops to recompute.
+_ALWAYS_SAVE = TOKEN_MIXERS | {
     torch.ops.aten._grouped_mm.default,
     # the router's fp32 logits ([T, E]): a few MB, and its tensor-core GEMMs are not among the counted mm's
     torch.ops.titan_kimi.router_logits.default,
@@ -70,17 +78,31 @@ def _op_policy():
     return create_selective_checkpoint_contexts(policy)
 
 
+def _mixers_policy():
+    """Keep the token mixers' outputs, recompute everything else (the GEMMs and the expert exchanges too)."""
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in TOKEN_MIXERS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+SELECTIVE_POLICIES = {"op": _op_policy, "mixers": _mixers_policy}
+
+
 def apply_activation_checkpointing(model: KimiK3Model, mode: str, option: str) -> None:
-    """``mode`` none | full | selective; ``option`` "op" or a block frequency N (checkpoint every N-th)."""
+    """``mode`` none | full | selective; ``option`` "op", "mixers" or a block frequency N (checkpoint every
+    N-th)."""
     if mode == "none":
         return
-    if mode == "selective" and option == "op":
+    policy = SELECTIVE_POLICIES.get(option) if mode == "selective" else None
+    if policy is not None:
         _ignore_profiler_ranges()
     for position, (name, block) in enumerate(list(model.layers.items())):
         if mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif option == "op":
-            wrapped = checkpoint_wrapper(block, context_fn=_op_policy, preserve_rng_state=False)
+        elif policy is not None:
+            wrapped = checkpoint_wrapper(block, context_fn=policy, preserve_rng_state=False)
         elif position % int(option) == 0:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         else:

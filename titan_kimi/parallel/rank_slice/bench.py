@@ -343,7 +343,9 @@ class RankSliceBench:
                 continue
             record = {"tokens": e.tokens, "rows": e.rows,
                       "ac": ac if e.kind == "block" else 0.0, "load": e.load or "balanced",
-                      **measured_settings(self.cfg),
+                      # only decoder layers are checkpointed: the others' entries hold no checkpointing
+                      **{k: v for k, v in measured_settings(self.cfg).items()
+                         if e.kind == "block" or k != "checkpointing"},
                       "forward_ms": e.forward_ms, "backward_ms": e.backward_ms, "forward_flops": e.flops.forward,
                       "backward_flops": e.flops.backward, "saved_gib": e.saved_gib, "peak_gib": e.peak_gib, **stamp}
             table = merge_entries(table, geometry, section, e.name if e.kind == "block" else e.kind, record,

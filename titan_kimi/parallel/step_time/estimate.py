@@ -39,7 +39,8 @@ from titan_kimi.parallel.step_time.schedules import (StageTimes, peak_in_flight,
                                                      uses_split_backward)
 from titan_kimi.parallel.step_time.stage_work import (StageWork, shared_expert_flops, stage_work,
                                                       without_block_start)
-from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, geometry_key,
+from titan_kimi.parallel.step_time.kept_outputs import kept_bytes
+from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, checkpointing, geometry_key,
                                                  measured_settings)
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the optimizer step's bound when no measured time per parameter exists
@@ -374,7 +375,7 @@ class StepTimeModel:
             step = nic
         step_flops = sum(w.total.total for w in works.values()) * n_micro * layout.dp
         step_tokens = global_batch * t.seq_len
-        memory, memory_note = self._memory(layout, plan_used, n_micro, counts, tokens)
+        memory, memory_note = self._memory(layout, plan_used, n_micro, counts, tokens, works)
         source = (f"measured ({self.s.table.path.name}, {self.s.table.hardware})" if not notes else
                   f"FLOP-rate fallback at {self.s.fallback_mfu:.0%} of peak for {sorted(set(notes))} "
                   f"({self.s.table.missing or 'not in the table'}): not measured")
@@ -415,10 +416,11 @@ class StepTimeModel:
         return params * OPTIMIZER_BYTES / HBM_BYTES_PER_S
 
     def _memory(self, layout: ParallelLayout, plan: PipelinePlan, n_micro: int, counts: dict[int, StageParams],
-                tokens: int) -> tuple[float | None, str]:
+                tokens: int, works: dict[int, StageWork]) -> tuple[float | None, str]:
         """The fullest rank's GiB: its parameters' bytes (``stage_params.rank_bytes``) + the activations its
-        schedule holds (full checkpointing: each layer's inputs and the block banks per microbatch in flight)
-        + the largest measured transient of one layer's recompute and backward."""
+        schedule holds (full checkpointing: each layer's inputs and the block banks per microbatch in flight;
+        ``mixers`` also the token mixers' outputs, ``kept_outputs``) + the largest measured transient of one
+        layer's recompute and backward."""
         a, cfg = self.args, self.cfg
         orders = rank_orders(plan, n_micro) if plan.pp > 1 else {0: []}
         worst, note = 0.0, ""
@@ -431,12 +433,14 @@ class StepTimeModel:
             acts = 0.0
             for s in stages:
                 first, last = plan.ranges[s]
-                if cfg.activation_checkpoint.mode != "full":
-                    return None, (f"activation_checkpoint.mode = {cfg.activation_checkpoint.mode}: activations are "
-                                  "modelled for full checkpointing only (use job.estimate_activations)")
+                if checkpointing(cfg) not in ("full", "selective/mixers"):
+                    return None, (f"activation checkpointing {checkpointing(cfg)}: activations are modelled for "
+                                  "full and mixers checkpointing only (use job.estimate_activations)")
                 block = a.attn_res_block_size
                 banks = sum((l // block) for l in range(first, last) if block and l % block == 0)
                 per_micro = tokens * a.dim * 2 * ((last - first) + 1 + banks)
+                if checkpointing(cfg) == "selective/mixers":
+                    per_micro += sum(kept_bytes(a, kind, tokens) for _, kind, _ in works[s].layers)
                 acts += flight.get(s, 1) * per_micro
             transient = self._transient(tokens)
             total = (held + acts) / 2**30 + (transient or 0.0)

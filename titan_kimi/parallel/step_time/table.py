@@ -23,6 +23,9 @@ from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 SHIPPED_TABLE = Path(__file__).resolve().parent.parent / "step_time_h200.json"
 FORMAT = 1
 RECOMPUTE_SHARE = {"none": 0.0, "full": 1.0, "selective": 0.5}  # forwards recomputed inside the backward
+# Checkpointing that recomputes the whole forward but for outputs it keeps: a measured entry's backward holds its
+# real recompute; entries of other checkpointing count a whole forward (so they overstate it, never understate).
+KEEPS_OUTPUTS = ("selective/mixers",)
 
 
 def geometry_key(args: KimiK3ModelArgs) -> str:
@@ -35,21 +38,35 @@ def geometry_key(args: KimiK3ModelArgs) -> str:
 
 
 def ac_share(mode: str, option: str = "op") -> float:
-    """Forwards recomputed in the backward by activation-checkpointing ``mode`` (every N-th block: 1/N)."""
+    """Forwards recomputed in the backward by activation-checkpointing ``mode`` (every N-th block: 1/N; mixers:
+    one, less the token mixers, which only its own measured entries time)."""
+    if mode == "selective" and option == "mixers":
+        return 1.0
     if mode == "selective" and option != "op":
         return 1.0 / int(option)
     return RECOMPUTE_SHARE[mode]
 
 
+def checkpointing(cfg: Any) -> str:
+    """A job's activation checkpointing as a table records it: none, full, or selective/<option>."""
+    ac = cfg.activation_checkpoint
+    return f"selective/{ac.selective_ac_option}" if ac.mode == "selective" else ac.mode
+
+
 # The settings each entry records beside its times (a record without one ran under the default), by record key:
 # the config key it was measured under and that key's default.
-MEASURED_UNDER = {"compile": ("compile.mode", "none"), "expert_gemm": ("training.routed_expert_gemm", "default")}
+# Entries before the checkpointing was recorded all ran under full checkpointing.
+MEASURED_UNDER = {"compile": ("compile.mode", "none"), "expert_gemm": ("training.routed_expert_gemm", "default"),
+                  "checkpointing": ("activation_checkpoint", "full")}
 
 
 def measured_settings(cfg: Any) -> dict[str, str]:
     """A job config's values of the MEASURED_UNDER settings, by record key."""
     out = {}
     for key, (config_key, _) in MEASURED_UNDER.items():
+        if key == "checkpointing":
+            out[key] = checkpointing(cfg)
+            continue
         section, name = config_key.split(".")
         out[key] = getattr(getattr(cfg, section), name)
     return out
@@ -66,6 +83,7 @@ class Measured:
     load: str
     compile: str = "none"  # the compile.mode it was measured under
     expert_gemm: str = "default"  # the training.routed_expert_gemm it was measured under
+    checkpointing: str = "full"  # the activation checkpointing it was measured under (``checkpointing``)
 
     @property
     def forward_rate(self) -> float:
@@ -124,8 +142,12 @@ class Table:
         FLOPs, from the rates measured nearest in tokens under ``settings`` (``measured_settings``; missing ones
         at their defaults: the entries matching all of them, else the first ones of MEASURED_UNDER, else any) and
         load ``load`` (else balanced); None if the kind was never measured for this geometry."""
-        found = self.entries(geometry, section, kind)
-        wanted = [(k, (settings or {}).get(k, default)) for k, (_, default) in MEASURED_UNDER.items()]
+        wanted = [(k, (settings or {}).get(k, default)) for k, (_, default) in MEASURED_UNDER.items()
+                  if section == "layers" or k != "checkpointing"]  # only decoder layers are checkpointed
+        job_checkpointing = dict(wanted).get("checkpointing")
+        # an entry that kept outputs recomputed less than its ``ac`` says: only a job keeping the same reads it
+        found = [m for m in self.entries(geometry, section, kind)
+                 if m.checkpointing not in KEEPS_OUTPUTS or m.checkpointing == job_checkpointing]
         for n in range(len(wanted), 0, -1):
             matching = [m for m in found if all(getattr(m, k) == v for k, v in wanted[:n])]
             if matching:
@@ -172,6 +194,10 @@ def merge_entries(table: dict[str, Any] | None, geometry: str, section: str, kin
         raise ValueError(f"the table holds {out.get('hardware')} measurements; this run is on {hardware}: "
                          "write another table file")
     kinds = out["geometries"].setdefault(geometry, {}).setdefault(section, {})
-    same = ("tokens", "ac", "load", "rows", *MEASURED_UNDER)
-    kinds[kind] = [e for e in kinds.get(kind, []) if any(e.get(k) != entry.get(k) for k in same)] + [entry]
+    defaults = {k: default for k, (_, default) in MEASURED_UNDER.items()}  # what an entry without the key ran
+
+    def key(e: dict[str, Any]) -> tuple:
+        return tuple(e.get(k, defaults.get(k)) for k in ("tokens", "ac", "load", "rows", *MEASURED_UNDER))
+
+    kinds[kind] = [e for e in kinds.get(kind, []) if key(e) != key(entry)] + [entry]
     return out
