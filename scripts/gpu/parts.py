@@ -420,6 +420,17 @@ def rank_slice_k31_fp8(r: Runner, folder: Path) -> None:
                    "layers", "profile", "stage", timeout=540)
 
 
+def rank_slice_k31_checkpointing(r: Runner, folder: Path) -> None:
+    # A/B, compiled: full checkpointing against "mixers" (the token mixers' outputs kept), all 12 layers of
+    # stage 0 with the buffer: per layer kind and the schedule's peak (the fit needs an H200)
+    checked_script(r, folder, "rank_slice", "scripts/bench/rank_slice.py", "--config", "train_configs/k31.toml",
+                   "--world-size", "256", "--loads", "balanced", "--parts", "--variants",
+                   "full=--compile.mode default",
+                   "mixers=--compile.mode default --activation_checkpoint.mode selective "
+                   "--activation_checkpoint.selective_ac_option mixers", "--variant-parts", "layers", "stage",
+                   timeout=580)
+
+
 def rank_slice_hellaswag(r: Runner, folder: Path) -> None:
     # As shipped the recipe's stage needs ~233 GiB (docs/perf.md): the stage part runs it with the FSDP handling
     # that fits an H200 (k31.toml ships the same two settings).
@@ -517,6 +528,9 @@ def single_gpu_parts() -> list[Part]:
                                         "the compiled entries into the step-time table", rank_slice_k31_compiled),
         Part("rank_slice_k31_fp8", "k31.toml's stage 0 compiled, bf16 against FP8 routed-expert GEMMs at full "
                                    "width: per layer kind, profiles, the schedule", rank_slice_k31_fp8),
+        Part("rank_slice_k31_checkpointing", "k31.toml's stage 0 compiled, full checkpointing against mixers "
+                                             "(the token mixers' outputs kept): per layer kind, the schedule and "
+                                             "its peak", rank_slice_k31_checkpointing),
         Part("loss_curves_fp8_experts", "k3_small 60 steps with FP8 routed-expert GEMMs between two bf16 runs",
              loss_curves_fp8_experts),
         Part("rank_slice_k31_compile", "k31.toml's stage 0 eager against --compile.mode default at full width: "
