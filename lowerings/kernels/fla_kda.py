@@ -88,7 +88,7 @@ def fla_kda_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_seq
     return o.to(v.dtype), final, [q_rstd, k_rstd, Aqk, Akk]
 
 
-def _normalised(x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+def normalised(x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """FLA's ``l2norm_fwd(x)`` output from its inverse norms: the same fp32 product, the same rounding."""
     return (x.float() * rstd.unsqueeze(-1)).to(x.dtype).contiguous()
 
@@ -104,7 +104,7 @@ def fla_kda_backward(d_o, d_final, q, k, v, g, beta, A_log, dt_bias, lower_bound
     use_fresh_graph_buffers()  # FLA's graph mode would share one process-wide buffer set across layers
 
     q_rstd, k_rstd, Aqk, Akk = residuals
-    q_n, k_n = _normalised(q, q_rstd), _normalised(k, k_rstd)
+    q_n, k_n = normalised(q, q_rstd), normalised(k, k_rstd)
     dq, dk, dv, db, dg, dh0, dA, dbias = chunk_kda_bwd(
         q=q_n, k=k_n, v=v.contiguous(), beta=beta.float().contiguous(), Aqk=Aqk, Akk=Akk, scale=scale,
         initial_state=initial_state, do=d_o.contiguous(), dht=d_final if output_final_state else None,

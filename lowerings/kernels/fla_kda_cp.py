@@ -4,8 +4,9 @@ FLA's context parallelism takes one packed row (batch 1): ``build_cp_context`` t
 ``cu_seqlens`` into this rank's local segments and the chain metadata (``layout`` "contiguous" or "zigzag",
 which match ``lowerings.ops.sequence_shards``), and ``chunk_kda_fwd``/``chunk_kda_bwd`` all-gather the
 per-rank state maps themselves. Rows of a batch run one after the other, each with its own context. Besides
-the residuals of the one-rank adapter (``fla_kda``), the forward keeps the incoming state FLA computed
-(``compress_h0``: one per part), which its backward needs.
+the residuals of the one-rank adapter (``fla_kda``: the inverse norms of q and k, Aqk and Akk; the backward
+rebuilds the normalised q and k from them), the forward keeps the incoming state FLA computed (``compress_h0``:
+one per part), which its backward needs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lowerings.kernels.fla_kda import CHUNK, _safe_gate
+from lowerings.kernels.fla_kda import CHUNK, _safe_gate, normalised
 from lowerings.ops.sequence_shards import parts_per_rank
 
 
@@ -44,7 +45,7 @@ def fla_kda_cp_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
 
     B, _, H, K = q.shape
-    outs, residuals = [], [[] for _ in range(7)]
+    outs, residuals = [], [[] for _ in range(5)]
     for b, ctx in enumerate(_row_contexts(cu_seqlens, B, group, layout, q.device)):
         qb, kb, vb, gb, betab = (t[b:b + 1].contiguous() for t in (q, k, v, g, beta))
         q_n, q_rstd = l2norm_fwd(qb)
@@ -59,7 +60,7 @@ def fla_kda_cp_forward(q, k, v, g, beta, A_log, dt_bias, lower_bound, scale, cu_
         if h0 is None:  # FLA returns None only without a CP group; keep the residual's shape
             h0 = q.new_zeros(parts_per_rank(layout), H, K, v.shape[-1], dtype=torch.float32)
         outs.append(o.to(v.dtype))
-        for slot, t in zip(residuals, (q_n, q_rstd, k_n, k_rstd, Aqk, Akk, h0.float().unsqueeze(0))):
+        for slot, t in zip(residuals, (q_rstd, k_rstd, Aqk, Akk, h0.float().unsqueeze(0))):
             slot.append(t)
     return torch.cat(outs), [torch.cat(slot) for slot in residuals]
 
@@ -69,7 +70,8 @@ def fla_kda_cp_backward(d_o, q, k, v, g, beta, A_log, dt_bias, lower_bound, scal
     from fla.modules.norm.l2norm import l2norm_bwd
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 
-    q_n, q_rstd, k_n, k_rstd, Aqk, Akk, h0 = residuals
+    q_rstd, k_rstd, Aqk, Akk, h0 = residuals
+    q_n, k_n = normalised(q, q_rstd), normalised(k, k_rstd)
     grads = [[] for _ in range(5)]
     dA = ddt = None
     for b, ctx in enumerate(_row_contexts(cu_seqlens, q.shape[0], group, layout, q.device)):
