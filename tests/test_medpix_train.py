@@ -11,6 +11,10 @@ import torch
 
 from tests.train_runs import Run, TrainRuns
 
+# Every test here reads the one module-scoped table: in one pytest-xdist worker (--dist loadgroup), each of its
+# launches happens once per pytest run; spread over two workers, each worker would launch the table again.
+pytestmark = pytest.mark.xdist_group("medpix_runs")
+
 MEDPIX = ("--job.config_file", "train_configs/k31_medpix_debug.toml")
 # fp32, 3 steps of global batch 4, in order: the LoRA layouts against one process
 LORA_3_STEPS = (*MEDPIX, "--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "3",
