@@ -191,6 +191,26 @@ def reference(cfg, args, global_batch: int, tokenizer, device: torch.device):
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, model
 
 
+# One process's reference depends on the model, the data, the precision and the global batch, not on how the ranks
+# split the work: layouts whose arguments differ only in these options share one reference (loss, gradients, the
+# indexers' KL), computed by the first of them and kept for the launch. The LoRA and HF-export checks also use the
+# reference model itself, which they change, so they build their own.
+SPLIT_ONLY = ("--parallelism.", "--training.local_batch_size", "--activation_checkpoint.", "--compile.")
+_REFERENCES: dict[tuple, tuple[float, dict[str, torch.Tensor], float | None]] = {}
+
+
+def shared_reference(argv: list[str], cfg, args, trainer, device: torch.device):
+    """`reference`'s loss and gradients, and the indexers' KL (None when the run does not train them), of the
+    first layout with these arguments but for ``SPLIT_ONLY``."""
+    assert all(flag.startswith("--") for flag in argv[::2]), argv  # flag, value pairs
+    key = (trainer.global_batch, *((flag, value) for flag, value in zip(argv[::2], argv[1::2])
+                                   if not flag.startswith(SPLIT_ONLY)))
+    if key not in _REFERENCES:
+        loss, grads, model = reference(cfg, args, trainer.global_batch, trainer.tokenizer, device)
+        _REFERENCES[key] = (loss, grads, distillation_kl(model) if trainer.indexer_metrics is not None else None)
+    return _REFERENCES[key]
+
+
 def check_adapter_files(name: str, trainer, reference_model, env: DistEnv) -> None:
     """The adapters the pipeline stages save (before any optimizer step: the seeded initial values) are, byte for
     byte, the files one process writes."""
@@ -238,7 +258,11 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     layout = resolve_layout(cfg, env.world_size, args)
     trainer = Trainer(cfg, args, layout, env)
     device = trainer.device
-    ref_loss, ref_grads, ref_model = reference(cfg, args, trainer.global_batch, trainer.tokenizer, device)
+    if cfg.lora.enable or name in HF_EXPORT:
+        ref_loss, ref_grads, ref_model = reference(cfg, args, trainer.global_batch, trainer.tokenizer, device)
+        ref_kl = distillation_kl(ref_model) if trainer.indexer_metrics is not None else None
+    else:
+        ref_loss, ref_grads, ref_kl = shared_reference(argv, cfg, args, trainer, device)
     if cfg.lora.enable:
         check_adapter_files(name, trainer, ref_model, env)
     data = iter(trainer.dataloader)
@@ -281,8 +305,7 @@ def check(name: str, overrides: list[str], env: DistEnv) -> None:
     if trainer.indexer_metrics is not None:
         kl = trainer.indexer_metrics.read_and_reset().kl
         if env.rank == 0:
-            print(f"INDEXER {name} kl_rel {abs(kl - distillation_kl(ref_model)) / distillation_kl(ref_model):.3e}",
-                  flush=True)
+            print(f"INDEXER {name} kl_rel {abs(kl - ref_kl) / ref_kl:.3e}", flush=True)
     if name in HF_EXPORT:  # after the gradients: no optimizer step ran, the weights are still the seeded ones
         check_hf_export(name, argv, trainer, ref_model, env)
     trainer.close()
