@@ -39,8 +39,12 @@ def test_kept_bytes_are_what_the_gpu_token_mixers_return():
                                         torch.empty(T, a.index_head_dim, dtype=torch.bfloat16),
                                         torch.empty(T, a.index_n_heads), torch.zeros(T, dtype=torch.long),
                                         a.index_topk, 0.1)
+        # under CP (one row, zigzag: two sequence parts per rank): the incoming state of each part besides
+        kda_cp = ops.kda_cp.default(q, q, q, q, torch.empty(1, T, H), torch.empty(H), torch.empty(H * K), -5.0,
+                                    K ** -0.5, torch.tensor([0, T], dtype=torch.int32), "group", "zigzag")
     # a KDA layer: the output and FLA's residuals (no final state); a DSA layer: sparse MLA's and the top-k
     assert kept_bytes(a, "kda+moe", T) == nbytes(kda) == T * H * (K * 2 + 2 * 4 + 2 * 64 * 2)
+    assert kept_bytes(a, "kda+moe", T, state_parts=2) == nbytes(kda_cp) == nbytes(kda) + 2 * H * K * K * 4
     assert kept_bytes(a, "dsa+moe", T) == nbytes(mla) + nbytes(topk)
     # dense attention: the output [T, H, v] in bf16 and the log-sum-exp in fp32 (FlashAttention's contract)
     assert kept_bytes(a, "mla+dense, block start", T) == T * a.n_heads * (a.v_head_dim * 2 + 4)

@@ -4,7 +4,8 @@ The forward hands the op what FLA's own autograd Function saves, as residuals: t
 Aqk/Akk and the inverse norms of q and k, so the backward runs FLA's backward without recomputing the forward.
 The normalised q and k themselves are not kept: the backward rebuilds them bit for bit from q, k (saved anyway)
 and the inverse norms (FLA's l2norm stores the fp32 ``x * rstd`` rounded to x's dtype), which halves what a
-checkpointing policy that keeps the op's outputs holds per KDA layer. The gate is computed inside FLA's kernels (``use_gate_in_kernel``).
+checkpointing policy that keeps the op's outputs holds per KDA layer. The gate is computed inside FLA's kernels
+(``use_gate_in_kernel``).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowerings.ops.sequence_shards import parts_per_rank
 from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
@@ -440,7 +441,10 @@ class StepTimeModel:
                 banks = sum((l // block) for l in range(first, last) if block and l % block == 0)
                 per_micro = tokens * a.dim * 2 * ((last - first) + 1 + banks)
                 if checkpointing(cfg) == "selective/mixers":
-                    per_micro += sum(kept_bytes(a, kind, tokens) for _, kind, _ in works[s].layers)
+                    # per row under CP: the KDA op keeps the incoming state of each of the rank's sequence parts
+                    rows = tokens * layout.cp // cfg.training.seq_len
+                    parts = rows * parts_per_rank(layout.cp_layout) if layout.cp > 1 else 0
+                    per_micro += sum(kept_bytes(a, kind, tokens, state_parts=parts) for _, kind, _ in works[s].layers)
                 acts += flight.get(s, 1) * per_micro
             transient = self._transient(tokens)
             total = (held + acts) / 2**30 + (transient or 0.0)
