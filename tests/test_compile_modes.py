@@ -111,8 +111,11 @@ def test_every_block_type_has_zero_graph_breaks_in_every_mode(mode):
 
 @pytest.fixture
 def no_fx_cache():
-    # config.patch, not monkeypatch: pytest 9.2's monkeypatch deletes config-module attributes on undo.
-    with torch._inductor.config.patch(force_disable_caches=True):
+    # Inductor's FX-graph and AOT-autograd caches off: a hit would skip the lowering, and with it the mode's pass.
+    # The kernels' binaries may still come from Inductor's on-disk cache: they are keyed by their source, which
+    # the lowering writes after the passes. (config.patch, not monkeypatch: pytest 9.2's monkeypatch deletes
+    # config-module attributes on undo.)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
 
 

@@ -50,9 +50,11 @@ def fresh_dynamo():
 
 @pytest.fixture
 def no_fx_cache():
-    # A cache hit would skip the passes under test (and the census); compile for real. (config.patch, not
-    # monkeypatch: pytest 9.2's monkeypatch deletes config-module attributes on undo.)
-    with torch._inductor.config.patch(force_disable_caches=True):
+    # An FX-graph or AOT-autograd cache hit would skip the passes under test (and the census); lower for real.
+    # The kernels' binaries may still come from Inductor's on-disk cache: they are keyed by their source, which
+    # the lowering writes after the passes. (config.patch, not monkeypatch: pytest 9.2's monkeypatch deletes
+    # config-module attributes on undo.)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         yield
 
 
