@@ -1,6 +1,7 @@
-"""Launched by tests/test_context_parallel.py under torchrun (gloo, 4 ranks): each attention kind under
-context parallelism against one process on the whole rows, in fp32, over CP groups of 4 ranks and of 2 (the
-world split into two groups, which run the same cases side by side).
+"""Each attention kind under context parallelism against one process on the whole rows, in fp32, over CP groups
+of 4 ranks and of 2 (the world split into two groups, which run the same cases side by side): `run_all`, which
+tests/parallel_parity_worker.py runs for tests/test_context_parallel.py in its 4-rank gloo launch
+(tests/parity_runs.py), or this script under torchrun.
 
 For the KDA layer (k3_debug), the dense gated MLA (k3_debug) and the K3.1 DSA layer (k31_debug: top-32 of 192
 keys per row), in both layouts: outputs, input gradients and parameter gradients (summed over the ranks) of this
@@ -108,14 +109,19 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    run_all(device)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_all(device: torch.device) -> None:
+    """Every case on the default group's ranks (also from tests/parallel_parity_worker.py's launch)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
     for group in (dist.group.WORLD,) if world == 2 else (dist.group.WORLD, pairs[rank // 2]):
         for kind in ("kda", "mla", "dsa"):
             for layout in ("contiguous", "zigzag"):
                 run(kind, layout, group, device)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ rank checks its own parameters; the worst error is reduced over ranks). The imag
 k31_medpix_debug recipe; with LoRA they also check that only adapters get gradients and that the adapters saved
 from the pipeline stages are the file one process writes. The layouts in ``HF_EXPORT`` also export their stages
 as one HF checkpoint (adapters merged) and check it against one process's export of the same weights.
+
+The name ``cp_layers`` runs tests/cp_layer_worker.py's cases (its ``CP ...`` lines) in this launch instead.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from titan_kimi.config import load_job_config
 from titan_kimi.data import build_dataloader
 from titan_kimi.data.image_processor import ImageProcessor
 from titan_kimi.lora import is_adapter_parameter, merged_tensors, save_adapters
-from titan_kimi.training.process.distributed import DistEnv
+from titan_kimi.training.process.distributed import DistEnv, init_distributed
 from titan_kimi.parallel.layout import resolve_layout
 from titan_kimi.trainer import Trainer
 from titan_kimi.training.setup.build import build_model_from_config, model_args_from_config, tokenizer_from_config
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 from titan_kimi.training.setup.seeded_init import init_weights_seeded
 
+import cp_layer_worker
 from test_checkpoint_hf_stages import assert_same_checkpoint, fill_adapters, logits_with_an_image
 from tests.worker_exit import run_and_exit
 
@@ -378,6 +381,10 @@ def main() -> None:
     hf = argv[argv.index("--hf") + 1] if "--hf" in argv else None
     names = [a for a in argv if a != "--hf" and a != hf]
     for name in names or [*LAYOUTS, *VL_LAYOUTS, *(HF_LAYOUTS if hf else ())]:
+        if name == "cp_layers":
+            init_distributed(env, torch.device("cpu"))  # as the Trainer would (gloo), if no layout ran before
+            cp_layer_worker.run_all(torch.device("cpu"))
+            continue
         if name in AB_LAYOUTS:
             check_ab(name, env)
             continue

@@ -1,7 +1,8 @@
 """The layouts of tests/parallel_parity_worker.py that the CPU tests check, launched together: one torchrun of 4
 gloo ranks per pytest run (tests/conftest.py parity_runs), which test_parallel.py, test_context_parallel.py and
-test_indexer_training_parallel.py read by name. Starting 4 processes (Python, torch, the trainer) once instead of
-once per test is what this saves."""
+test_indexer_training_parallel.py read by name; the same launch first runs tests/cp_layer_worker.py's cases for
+test_context_parallel.py. Starting 4 processes (Python, torch, the trainer) once instead of once per test is what
+this saves."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ LAYOUTS = (*FP32_LAYOUTS, *CP_LAYOUTS, *INDEXER_LAYOUTS, *AB_LAYOUTS)
 
 
 class ParityRuns:
-    """``runs.output()``: what the one launch printed (rank 0's PARITY, AB, INDEXER and HF_EXPORT lines);
+    """``runs.output()``: what the one launch printed (rank 0's CP, PARITY, AB, INDEXER and HF_EXPORT lines);
     ``runs.parity(names)``: ``{name: (grad_rel, loss_rel, params)}`` of the PARITY lines of those layouts."""
 
     def __init__(self, root: Path) -> None:
@@ -44,7 +45,7 @@ class ParityRuns:
             model = KimiK3Model(model_args_for("k31_debug_pp"))
             model.init_weights()
             export_hf_checkpoint(model, hf, dtype=torch.float32)
-            self._out = launch(["tests/parallel_parity_worker.py", "--hf", str(hf), *LAYOUTS], nproc=4,
+            self._out = launch(["tests/parallel_parity_worker.py", "--hf", str(hf), "cp_layers", *LAYOUTS], nproc=4,
                                timeout=3600)
         return self._out
 

@@ -14,7 +14,7 @@ import torch
 from lowerings.ops.sequence_shards import chunk_slots, local_positions, rank_chunks
 from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
 from titan_kimi.parallel.context_parallel import ContextParallel
-from tests.test_parallel import close, launch
+from tests.test_parallel import close
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -104,10 +104,11 @@ def test_whole_row_doc_ids_are_required(one_rank_group):
 
 
 @pytest.mark.slow
-def test_each_attention_kind_matches_one_process_over_2_and_4_ranks():
+def test_each_attention_kind_matches_one_process_over_2_and_4_ranks(parity_runs):
     """KDA (conv halo, documents crossing and starting on piece boundaries), dense MLA and the K3.1 DSA (top-32 of
-    192 keys per row; about 30% / 70% of the chosen keys live on other ranks), both layouts."""
-    out = launch(["tests/cp_layer_worker.py"], nproc=4)
+    192 keys per row; about 30% / 70% of the chosen keys live on other ranks), both layouts (tests/cp_layer_worker.py,
+    run in the launch of tests/parity_runs.py)."""
+    out = parity_runs.output()
     rows = re.findall(r"CP (\w+) (\w+) world (\d) out (\S+) dx (\S+) grads (\S+) remote (\S+)", out)
     assert {(k, lay, w) for k, lay, w, *_ in rows} == {(k, lay, w) for k in ("kda", "mla", "dsa")
                                                        for lay in LAYOUTS for w in "24"}, out
