@@ -1,5 +1,6 @@
 """The trainer runs of the shipped k31_debug recipe that tests/test_parallel.py and tests/test_context_parallel.py
-compare, by name (tests/train_runs.py), launched once per pytest run (tests/conftest.py layout_runs)."""
+compare and tests/test_profiling.py reads, by name (tests/train_runs.py), launched once per pytest run
+(tests/conftest.py layout_runs)."""
 
 from __future__ import annotations
 
@@ -47,4 +48,7 @@ RUNS: dict[str, Run] = {
     "cp2_to_single": Run(0, (*RECIPE, *CHECKPOINTED), resumes=("saved_cp2", "step-2")),
     "cp2_to_contiguous": Run(2, (*RECIPE, *CHECKPOINTED, *CP2, "--parallelism.context_parallel_layout", "contiguous"),
                              resumes=("saved_cp2", "step-2")),
+    # EP2 x FSDP2 at 64 tokens, the last of 2 steps profiled (tests/test_profiling.py); last in its launch.
+    "profiled_ep2": Run(2, (*RECIPE, "--training.steps", "2", "--lr_scheduler.warmup_steps", "0", "--training.seq_len",
+                            "64", "--training.local_batch_size", "2", *EP2, "--profiling.enable", "true")),
 }

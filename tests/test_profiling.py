@@ -91,15 +91,11 @@ def test_profiling_keys_are_checked():
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_write_traces_tables_and_summaries(tmp_path):
-    """EP2 x FSDP2 on gloo (all-to-all, all-gather, reduce-scatter), the last of 2 steps profiled."""
-    from tests.test_parallel import launch
-
-    dump = tmp_path / "run"
-    launch(["-m", "titan_kimi.train", "--job.config_file", "train_configs/k31_debug.toml", "--job.dump_folder",
-            str(dump), "--training.steps", "2", "--lr_scheduler.warmup_steps", "0", "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2",
-            "--profiling.enable", "true"], nproc=2)
+def test_two_gloo_ranks_write_traces_tables_and_summaries(layout_runs):
+    """EP2 x FSDP2 on gloo (all-to-all, all-gather, reduce-scatter), the last of 2 steps profiled: the run
+    ``profiled_ep2`` of tests/layout_runs.py, in the shared 2-rank launch."""
+    layout_runs.output("profiled_ep2")
+    dump = layout_runs.folder("profiled_ep2")
     folder = dump / "profiles" / "step-2"
     for rank in (0, 1):
         with gzip.open(folder / f"rank{rank}.trace.json.gz", "rt") as f:
