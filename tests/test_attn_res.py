@@ -70,7 +70,7 @@ def test_model_follows_the_layer_recurrence():
             R, p = R + [p], torch.zeros_like(p)
         p = p + layer.attention(layer.attention_norm(x), seq)
         m_in = mix(layer.ffn_mix, R + [p])
-        p = p + layer._mlp(layer.ffn_norm(m_in))
+        p = p + layer._mlp(layer.ffn_norm(m_in), seq)
     assert len(R) == args.num_attn_res_blocks
     expected = model.output(model.norm(mix(model.output_mix, R + [p])))
     out = model(tokens)

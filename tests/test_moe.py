@@ -11,18 +11,19 @@ def situ_glu_formula(gate, up, beta=4.0, beta_lin=25.0):
     return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * beta_lin * torch.tanh(up / beta_lin)
 
 
-def reference_moe(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
+def reference_moe(moe: LatentMoE, x: torch.Tensor, is_real: torch.Tensor | None = None) -> torch.Tensor:
+    """``is_real [T]``: padding tokens skip the routed experts (spec §2.3)."""
     args_k = moe.top_k
     F = moe.experts.w2.shape[-1]
     rms = lambda t, norm: norm.weight * t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + norm.eps)
     out = []
-    for xt in x.view(-1, x.shape[-1]):
+    for t, xt in enumerate(x.view(-1, x.shape[-1])):
         scores = torch.sigmoid(moe.router.gate.weight @ xt)
         chosen = (scores + moe.router.e_score_correction_bias).topk(args_k).indices
         weights = scores[chosen] / scores[chosen].sum()
         z = moe.routed_expert_down_proj.weight @ xt
         r = torch.zeros_like(z)
-        for e, wt in zip(chosen.tolist(), weights):
+        for e, wt in zip(chosen.tolist() if is_real is None or is_real[t] else [], weights):
             h = moe.experts.w13[e] @ z
             r = r + wt * (moe.experts.w2[e] @ situ_glu_formula(h[:F], h[F:]))
         y = moe.routed_expert_up_proj.weight @ rms(r, moe.routed_expert_norm)
@@ -58,6 +59,37 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def test_padding_tokens_skip_the_routed_experts():
+    """Padding tokens are routed but no expert runs on them: their routed output is zero (the shared experts
+    alone remain), the real tokens' outputs and every gradient through them are those of the unmasked layer,
+    and the load counts real tokens only."""
+    torch.manual_seed(3)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    with torch.no_grad():
+        for p in moe.parameters():
+            if p.dim() > 1:
+                p.mul_(10)
+    x = torch.randn(2, 9, 128)
+    is_real = torch.tensor([[True] * 6 + [False] * 3, [True] * 2 + [False] * 7]).view(-1)
+    out = moe(x, is_real)
+    ref = reference_moe(moe, x, is_real)
+    assert rel_err(out, ref) < 1e-5
+    unmasked = moe(x)
+    real = is_real.view(2, 9)
+    assert rel_err(out[real], unmasked[real]) < 1e-6
+    cot = torch.randn_like(out) * real.unsqueeze(-1)  # the loss reads real tokens only
+    params = [moe.experts.w13, moe.experts.w2, moe.router.gate.weight, moe.routed_expert_down_proj.weight]
+    grads = torch.autograd.grad(out, params, cot)
+    for a, b in zip(grads, torch.autograd.grad(ref, params, cot)):
+        assert rel_err(a, b) < 1e-5
+    for a, b in zip(grads, torch.autograd.grad(unmasked, params, cot)):
+        assert rel_err(a, b) < 1e-5
+    moe.tokens_per_expert.zero_()
+    moe(x, is_real)
+    assert moe.tokens_per_expert.sum().item() == int(is_real.sum()) * moe.top_k
+
+
 def test_situ_glu_gradient_matches_autograd_of_the_formula():
     gate_up = (torch.randn(5, 2 * 24) * 8).requires_grad_()  # reach the tanh saturation
     exact = gate_up.detach().double().requires_grad_()
@@ -87,6 +119,32 @@ def test_cuda_row_alignment_padding_changes_nothing():
     g_out = torch.autograd.grad(out, [x, experts.w13], cot)
     for a, b in zip(g_out, g_ref):
         assert rel_err(a, b) < 1e-6
+
+
+def test_cuda_row_alignment_leaves_unrouted_rows_zero():
+    """Rows past the counts' sum (padding tokens' choices) get zero output and no gradient; the routed rows
+    are the experts' output on them alone."""
+    from titan_kimi.models.kimi_k3.moe import _aligned_for_grouped_mm
+
+    torch.manual_seed(4)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    experts = moe.experts
+    counts = torch.tensor([3, 0, 9, 1, 0, 0, 17, 2] + [0] * (experts.num_experts - 8))
+    routed = int(counts.sum())
+    x = torch.randn(routed + 11, experts.w13.shape[-1], requires_grad=True)
+    cot = torch.randn(x.shape[0], experts.w2.shape[1])
+    out = _aligned_for_grouped_mm(experts.run, experts.w13, experts.w2, x, counts)
+    assert out[routed:].abs().max() == 0
+    ref = experts.run(experts.w13, experts.w2, x[:routed], counts)
+    assert rel_err(out[:routed], ref) < 1e-6
+    g_out = torch.autograd.grad(out, [x, experts.w13], cot)
+    g_ref = torch.autograd.grad(ref, [x, experts.w13], cot[:routed])
+    assert g_out[0][routed:].abs().max() == 0
+    assert rel_err(g_out[0], g_ref[0]) < 1e-6
+    assert rel_err(g_out[1], g_ref[1]) < 1e-6
+    # the CPU path (no alignment) keeps the same contract
+    assert rel_err(experts(x, counts), out) < 1e-6
 
 
 def test_router_load_is_counted_per_expert():

@@ -111,7 +111,10 @@ def prewarm(job_argv: list[str], layer: int, part: str) -> str:
     if spec.cudagraphs:
         torch.compiler.cudagraph_mark_step_begin()
     with context, spec.lowering_scope():
-        out = module(norm(x), seq) if part == "attention" else module(norm(x))
+        if part == "attention":
+            out = module(norm(x), seq)
+        else:  # as the block calls it: the MoE skips padding tokens
+            out = module(norm(x), seq.is_real) if block.moe_enabled else module(norm(x))
     out.float().square().mean().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

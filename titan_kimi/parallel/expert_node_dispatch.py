@@ -50,10 +50,13 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         nodes = self.across.size()
         per_node = self.num_experts // nodes
         tokens = indices.shape[0]
-        node_of = indices // per_node  # [T, k]
-        hit = torch.zeros(tokens, nodes, dtype=torch.bool, device=z.device).scatter_(1, node_of, True)
+        chosen = indices >= 0  # -1: an unrouted choice (a padding token's), which goes to no node
+        node_of = torch.where(chosen, indices, 0) // per_node  # [T, k]
+        hit = torch.zeros(tokens, nodes, dtype=torch.int8, device=z.device).scatter_reduce_(
+            1, node_of, chosen.to(torch.int8), "amax").bool()
         pair_node, pair_token = hit.t().nonzero(as_tuple=True)  # (token, node) pairs, grouped by node
-        on_node = node_of[pair_token] == pair_node.unsqueeze(1)  # [P, k]: which of the token's choices are there
+        # [P, k]: which of the token's choices are there
+        on_node = (node_of[pair_token] == pair_node.unsqueeze(1)) & chosen[pair_token]
         experts = torch.where(on_node, indices[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
         pair_weights = torch.where(on_node, weights[pair_token], 0.0)
         send = hit.sum(0)

@@ -76,15 +76,35 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for block in model.layers.values() if getattr(block, "moe_enabled", False)]
 
 
-def shard_flat(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """torchtitan's ``ExpertParallel``: the experts' shards, fed by its all-to-all hooks. The combine's exchange
-    leaves ``forward`` unwaited, and ``GroupedExperts.route`` runs the MoE's shared experts before the combine
-    reads it; the dispatch waits inside the hook, and every backward exchange waits at once."""
-    from torch.distributed.tensor.parallel import parallelize_module
+@functools.cache
+def _routed_rows_style() -> type:
+    """torchtitan's ``ExpertParallel`` whose dispatch sends only the routed rows: the experts' input ends in
+    unrouted slots (padding tokens' choices, past the counts' sum), which no rank computes; the combine then
+    hands back the routed rows alone (``GroupedExperts.route`` appends the zero rows after the shared experts
+    are queued, so the exchange stays in flight beside them)."""
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
+    class RoutedRowsExpertParallel(ExpertParallel):
+        def _token_dispatch(self, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh):
+            routed_input, num_tokens_per_expert = inputs
+            # a host sync beside the one torchtitan's dispatch makes for its splits
+            routed = int(num_tokens_per_expert.sum())
+            if routed < routed_input.shape[0]:
+                routed_input = routed_input[:routed]
+            return super()._token_dispatch(mod, (routed_input, num_tokens_per_expert), device_mesh)
+
+    return RoutedRowsExpertParallel
+
+
+def shard_flat(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """torchtitan's ``ExpertParallel``: the experts' shards, fed by its all-to-all hooks (the dispatch sends the
+    routed rows only). The combine's exchange leaves ``forward`` unwaited, and ``GroupedExperts.route`` runs
+    the MoE's shared experts before the combine reads it; the dispatch waits inside the hook, and every
+    backward exchange waits at once."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     experts.__class__ = expert_shard_class(type(experts))
-    parallelize_module(experts, ep_mesh, ExpertParallel())
+    parallelize_module(experts, ep_mesh, _routed_rows_style()())
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,

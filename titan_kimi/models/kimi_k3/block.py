@@ -43,13 +43,13 @@ class KimiK3Block(nn.Module):
             self.attention_mix = AttnResMix(args.dim, args.norm_eps, args.init_std)
             self.ffn_mix = AttnResMix(args.dim, args.norm_eps, args.init_std)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe(x) if self.moe_enabled else self.feed_forward(x)
+    def _mlp(self, x: torch.Tensor, seq: SequenceInfo) -> torch.Tensor:
+        return self.moe(x, seq.is_real) if self.moe_enabled else self.feed_forward(x)
 
     def forward(self, hidden: torch.Tensor, bank: torch.Tensor, seq: SequenceInfo) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.block_size:
             hidden = hidden + self.attention(self.attention_norm(hidden), seq)
-            return hidden + self._mlp(self.ffn_norm(hidden)), bank
+            return hidden + self._mlp(self.ffn_norm(hidden), seq), bank
         B, S, H = hidden.shape
         x = self.attention_mix(bank, hidden) if bank.shape[1] else hidden
         attn = self.attention(self.attention_norm(x), seq)
@@ -59,7 +59,7 @@ class KimiK3Block(nn.Module):
         else:
             hidden = hidden + attn
         mlp_in = self.ffn_mix(bank, hidden)
-        return hidden + self._mlp(self.ffn_norm(mlp_in)), bank
+        return hidden + self._mlp(self.ffn_norm(mlp_in), seq), bank
 
     def init_weights(self) -> None:
         self.attention.init_weights()

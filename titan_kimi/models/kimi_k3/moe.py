@@ -77,11 +77,15 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """``x [N, L]`` sorted by expert with ``num_tokens_per_expert [E]`` rows each -> ``[N, L]``."""
+        """``x [N, L]`` sorted by expert with ``num_tokens_per_expert [E]`` rows each -> ``[N, L]``. Rows past
+        the counts' sum are unrouted slots (padding tokens' choices): no expert runs on them and their output
+        rows are zero (expert parallelism returns only the routed rows: ``route`` adds the zeros)."""
         if x.is_cuda:
             return _aligned_for_grouped_mm(self.run, self.w13, self.w2, x, num_tokens_per_expert,
                                            align=row_alignment(self.gemm_precision))
-        return self.run(self.w13, self.w2, x, num_tokens_per_expert)
+        routed = (torch.arange(x.shape[0], device=x.device) < num_tokens_per_expert.sum()).unsqueeze(1)
+        # the grouped GEMMs leave rows outside every group unwritten, forward and backward: mask both ways
+        return torch.where(routed, self.run(self.w13, self.w2, torch.where(routed, x, 0), num_tokens_per_expert), 0)
 
     def route(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
               num_tokens_per_expert: torch.Tensor, dtype: torch.dtype,
@@ -95,11 +99,19 @@ class GroupedExperts(nn.Module):
         path. Here it runs between the experts and the combine: expert parallelism wraps ``forward``, and
         torchtitan's flat dispatch returns the combine's exchange from it still in flight. The node-level
         dispatch (``titan_kimi.parallel.expert_node_dispatch``) replaces this method and runs ``alongside``
-        while the rows cross nodes."""
-        routing = ops.route_rows(torch.argsort(indices.view(-1), stable=True), indices.shape[1])
-        rows = self(ops.dispatch_rows(z, routing), num_tokens_per_expert)
+        while the rows cross nodes.
+
+        ``indices`` of -1 are unrouted choices (padding tokens): they sort after every expert's rows, past the
+        counts' sum, where the experts leave their rows zero, so those tokens' routed output is zero."""
+        key = indices.view(-1)
+        key = torch.where(key < 0, torch.iinfo(key.dtype).max, key)  # (global ids under expert parallelism)
+        routing = ops.route_rows(torch.argsort(key, stable=True), indices.shape[1])
+        slots = ops.dispatch_rows(z, routing)
+        rows = self(slots, num_tokens_per_expert)
         # between the experts and the combine: under expert parallelism the combine's exchange is then in flight
         beside = alongside() if alongside is not None else None
+        if rows.shape[0] < slots.shape[0]:  # expert parallelism hands back the routed rows only
+            rows = torch.cat([rows, rows.new_zeros(slots.shape[0] - rows.shape[0], rows.shape[1])])
         return ops.combine_rows(rows, routing, weights, dtype), beside
 
     def run(self, w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor,
@@ -143,16 +155,21 @@ def _aligned_for_grouped_mm(run, w13, w2, x, num_tokens_per_expert, align: int =
     ends = counts.cumsum(0)
     row = torch.arange(rows, device=x.device)
     expert = torch.searchsorted(ends, row, right=True)
+    routed = expert < experts  # rows past the counts' sum are unrouted slots
+    expert = expert.clamp(max=experts - 1)
     dest = (padded.cumsum(0) - padded)[expert] + row - (ends - counts)[expert]
     # Gather into the padded layout (padding rows read an appended zero row) rather than scatter: autograd's
     # index_copy keeps its whole source for backward, a gather keeps only the indices.
     # room for the worst case, a whole number of groups long: FP8's weight-gradient GEMM reads the buffer
     # transposed, whose row stride must be a multiple of 16 bytes
     room = -(-(rows + experts * (align - 1)) // align) * align
-    source = torch.full((room,), rows, dtype=torch.int64, device=x.device)
-    source[dest] = row
-    buffer = torch.cat([x, x.new_zeros(1, x.shape[1])])[source]
-    return run(w13, w2, buffer, padded)[dest]
+    # unrouted rows write one slot past the buffer (dropped), so its tail stays zero rows no GEMM group covers
+    source = torch.full((room + 1,), rows, dtype=torch.int64, device=x.device)
+    source[torch.where(routed, dest, room)] = row
+    buffer = torch.cat([x, x.new_zeros(1, x.shape[1])])[source[:room]]
+    out = run(w13, w2, buffer, padded)
+    # the GEMMs leave rows outside every group unwritten: unrouted rows take zeros, never those rows
+    return torch.where(routed.unsqueeze(1), out[torch.where(routed, dest, 0)], 0)
 
 
 class LatentMoE(nn.Module):
@@ -183,13 +200,20 @@ class LatentMoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
                              persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_real: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [B,S,D]``; ``is_real [B*S]`` (None: every token): padding tokens are routed by the router but
+        skip the routed experts (spec §2.3), whose output for them is zero: they carry no loss and no real
+        token reads them, so only their own positions change, and no expert (or expert-parallel exchange)
+        works on them."""
         B, S, D = x.shape
         x = x.view(B * S, D)
         weights, indices = self.router(x)
+        if is_real is not None:
+            indices = torch.where(is_real.view(-1, 1), indices, -1)  # -1: an unrouted choice
         z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
         flat = indices.view(-1)
-        # histc keeps the output shape static (bincount's is data dependent), which compile needs.
+        # histc keeps the output shape static (bincount's is data dependent), which compile needs; it drops the
+        # unrouted choices (-1, below its range).
         counts_f = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_f)

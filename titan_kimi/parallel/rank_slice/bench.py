@@ -104,7 +104,9 @@ class RankSliceBench:
         if self.layout.ep == 1:
             return []
         a = self.args
-        return [parse_load(spec, self.tokens, a.num_experts_per_tok, a.num_experts, self.layout.ep)
+        # every EP rank routes its real tokens' choices (padding tokens skip the routed experts)
+        routed = max(1, round(self.tokens * self.model.real_fraction))
+        return [parse_load(spec, routed, a.num_experts_per_tok, a.num_experts, self.layout.ep)
                 for spec in self.opts.loads]
 
     def _meta(self) -> dict:

@@ -1,9 +1,10 @@
 """One expert-parallel rank's experts without the all-to-all: torchtitan's ``ExpertParallel`` dispatch and
 combine (``titan_kimi.parallel.expert_parallel``) with the two all-to-alls replaced by local rows.
 
-What stays as training runs it: the MoE forward's routing and sort, the local experts' weights
-(``num_experts / ep`` of them) in ``ExpertShardGroupedExperts``, the permutation (``expert_permutation``: group the
-received rows by local expert, pad each group to the GEMM alignment, and back). What changes: the rows that
+What stays as training runs it: the MoE forward's routing and sort (padding tokens' choices left out), the
+local experts' weights (``num_experts / ep`` of them) in ``ExpertShardGroupedExperts``, the permutation
+(``expert_permutation``: group the received rows by local expert, pad each group to the GEMM alignment, and
+back). What changes: the rows that
 arrive are ``load.rows`` rows gathered from this rank's own routed rows (the all-to-all's output has that size;
 its content does not change the compute), and the combine hands back this rank's ``N`` rows by another gather.
 The two gathers stand for the all-to-alls, whose time the step-time model adds from its bandwidths.
@@ -46,7 +47,10 @@ class LocalDispatch:
         self.load, self._flat_counts = load, None
 
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        routed, _ = inputs  # this rank's rows sorted by global expert; their counts go to the all-to-all
+        # this rank's rows sorted by global expert, then its unrouted slots (padding tokens' choices), which the
+        # dispatch leaves out (as training's does, with the same host sync for the count)
+        routed, counts = inputs
+        routed = routed[:int(counts.sum())]
         if self._flat_counts is None or self._flat_counts.device != routed.device:
             self._flat_counts = self.load.counts.reshape(-1).to(routed.device)
         n, rows = routed.shape[0], self.load.rows

@@ -156,8 +156,9 @@ def block_jobs(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: in
             def run_attention(block=block, hidden=hidden, grad_h=grad_h, seq=seq):
                 return [block.attention(block.attention_norm(hidden), seq)], [grad_h]
 
-            def run_ffn(block=block, hidden=hidden, grad_h=grad_h, ffn=ffn):
-                return [ffn(block.ffn_norm(hidden))], [grad_h]
+            def run_ffn(block=block, hidden=hidden, grad_h=grad_h, ffn=ffn, seq=seq):
+                x = block.ffn_norm(hidden)
+                return [ffn(x, seq.is_real) if block.moe_enabled else ffn(x)], [grad_h]
 
             jobs = {
                 BLOCK: (kind, run_block, lambda: block_flops(block, args, segments, routed_rows=routed,

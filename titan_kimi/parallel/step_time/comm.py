@@ -122,8 +122,9 @@ class Network:
                 f"direction, {self.gpus_per_node} GPUs per node, {self.latency_us:g} us per collective")
 
 
-def ep_all_to_all_bytes(tokens: int, top_k: int, latent: int, element_bytes: int = 2) -> float:
-    """Bytes one rank sends in one EP all-to-all of a MoE layer: its routed rows in the latent width."""
+def ep_all_to_all_bytes(tokens: float, top_k: int, latent: int, element_bytes: int = 2) -> float:
+    """Bytes one rank sends in one EP all-to-all of a MoE layer: its routed rows in the latent width
+    (``tokens``: the rank's real tokens; padding tokens' choices are not sent)."""
     return float(tokens * top_k * latent * element_bytes)
 
 

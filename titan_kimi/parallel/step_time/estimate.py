@@ -96,10 +96,12 @@ class StepTimeModel:
         spec = cfg.step_time.rows or DEFAULT_ROWS[cfg.data.dataset]
         try:
             self.rows_layout = parse_rows(spec)
-            doc_ids_for(self.rows_layout, cfg.training.seq_len, self._image_tokens())
+            row = doc_ids_for(self.rows_layout, cfg.training.seq_len, self._image_tokens())
         except ValueError as err:
             raise ValueError(f"step_time.rows = {cfg.step_time.rows!r} (row layout {spec!r}): {err}; set "
                              "step_time.rows to a layout that fits training.seq_len") from None
+        # padding tokens skip the routed experts: only real tokens' rows are exchanged and computed
+        self.real_fraction = float((row != 0).float().mean())
         self.dtype = compute_dtype(cfg)
 
     def with_config(self, cfg) -> "StepTimeModel":
@@ -154,7 +156,7 @@ class StepTimeModel:
         doc = row.expand(rows, -1)
         segments = row_segments(doc)
         factor, _ = self.load_factor(layout.ep)
-        routed = int(rows * seq_len * self.args.num_experts_per_tok * factor)
+        routed = int(rows * seq_len * self.real_fraction * self.args.num_experts_per_tok * factor)
         plan = layout.pipeline
         ranges = plan.ranges if plan is not None else ((0, self.args.n_layers),)
         if plan is not None:
@@ -214,7 +216,8 @@ class StepTimeModel:
         factor, _ = self.load_factor(layout.ep)
         fwd = bwd = ep_total = nic = 0.0
         latent = a.moe_latent_dim or a.dim
-        sent = ep_all_to_all_bytes(tokens, a.num_experts_per_tok, latent) * factor
+        routed = tokens * self.real_fraction  # padding tokens' rows are not exchanged
+        sent = ep_all_to_all_bytes(routed, a.num_experts_per_tok, latent) * factor
         if layout.ep_dispatch == "hierarchical":
             node = layout.ep_node_size or net.gpus_per_node
             problem = node_groups_problem(layout.ep, node)
@@ -223,7 +226,7 @@ class StepTimeModel:
                                  f"{node} ranks (expert_parallel_node_size, else step_time.gpus_per_node): "
                                  f"{problem}; valid: {NODE_GROUPS_VALID}")
             nodes = layout.ep // node
-            across = ep_all_to_all_bytes(tokens, 1, latent) * nodes_per_token(a.num_experts, a.num_experts_per_tok,
+            across = ep_all_to_all_bytes(routed, 1, latent) * nodes_per_token(a.num_experts, a.num_experts_per_tok,
                                                                                nodes) * factor
             one, one_nic = net.node_all_to_all(across, nodes, sent, node), net.nic_node_all_to_all(across, nodes)
             # the shared experts run beside the dispatch's rows leg across nodes, forward and backward
