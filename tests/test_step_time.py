@@ -101,6 +101,32 @@ def test_hierarchical_ep_exchange_sends_one_row_per_token_and_node():
     assert net.node_all_to_all(across, 1, sent, 8) == 0.0 and net.nic_node_all_to_all(across, 1) == 0.0
 
 
+def test_entries_measured_with_the_padding_routed_time_the_padded_work(tmp_path):
+    """Padding tokens skip the routed experts. An entry measured before (no ``padding`` key: they ran them)
+    times a job on the FLOPs with the padding's expert rows (its measured time, an upper bound), not the
+    smaller real work at its rate; an entry measured with them skipped is preferred and times the real work."""
+    def entry(fwd_ms, **extra):
+        return {"tokens": 4096, "rows": "r", "ac": 1.0, "load": "balanced", "forward_ms": fwd_ms,
+                "backward_ms": 3 * fwd_ms, "forward_flops": 4e12, "backward_flops": 8e12, **extra}
+
+    data = merge_entries(None, "g", "layers", "kda+moe", entry(4.0), hardware="NVIDIA H200", peak_flops=989e12)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    old = Table.load(path)
+    # the job's real work is 3e12 / 6e12; with the padding's rows 4e12 / 8e12 (what the entry ran)
+    assert old.time_ms("g", "layers", "kda+moe", 4096, 3e12, 6e12, 1.0, padded_flops=(4e12, 8e12)) == \
+        pytest.approx((4.0, 12.0))
+    assert old.time_ms("g", "layers", "kda+moe", 4096, 3e12, 6e12, 1.0) == pytest.approx((3.0, 9.0))
+    data = merge_entries(data, "g", "layers", "kda+moe", entry(2.0, forward_flops=3e12, backward_flops=6e12,
+                                                               padding="skipped"),
+                         hardware="NVIDIA H200", peak_flops=989e12)
+    assert len(data["geometries"]["g"]["layers"]["kda+moe"]) == 2  # both kept: they measured different work
+    path.write_text(json.dumps(data))
+    new = Table.load(path)
+    assert new.time_ms("g", "layers", "kda+moe", 4096, 3e12, 6e12, 1.0, padded_flops=(4e12, 8e12)) == \
+        pytest.approx((2.0, 6.0))
+
+
 def test_table_lookups_scale_by_the_measured_rate_and_move_the_recomputed_forward(tmp_path):
     def entry(tokens, fwd_ms, bwd_ms, ac):
         return {"tokens": tokens, "rows": "r", "ac": ac, "load": "balanced", "forward_ms": fwd_ms,

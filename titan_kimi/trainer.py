@@ -27,6 +27,7 @@ from titan_kimi.data import IGNORE_INDEX
 from titan_kimi.data.causal_keys import longest_document
 from titan_kimi.lora import load_adapters, merged_tensors, save_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
+from titan_kimi.models.kimi_k3.accounting import routed_expert_flops_per_token
 from titan_kimi.models.kimi_k3.multimodal import VISION_PREFIXES, KimiK3VLModel
 from titan_kimi.models.kimi_k3.vision_accounting import vision_flops
 from titan_kimi.parallel.context_parallel import ContextParallel
@@ -128,8 +129,10 @@ class Trainer:
         self.vision = whole.vision_args if isinstance(whole, KimiK3VLModel) else None
         self.counts = count_params(whole)
         # FLOPs per text token from the text model; the tower's are per image patch (vision_flops, per step).
-        self.flops_per_token = training_flops_per_token(
-            args, t.seq_len, count_params(whole, skip_prefixes=VISION_PREFIXES), frozen_backward=cfg.lora.enable)
+        text_counts = count_params(whole, skip_prefixes=VISION_PREFIXES)
+        self.flops_per_token = training_flops_per_token(args, t.seq_len, text_counts, frozen_backward=cfg.lora.enable)
+        # padding tokens skip the routed experts: the step's FLOPs leave their share out
+        self.routed_flops_per_token = routed_expert_flops_per_token(text_counts, frozen_backward=cfg.lora.enable)
         del whole
         # Before the model parts: a pipelined image-text model's first stage takes image slots sized by the data.
         self.dataloader = self._build_dataloader(cfg.data.path, seed=cfg.job.seed, shuffle=cfg.data.shuffle)
@@ -309,16 +312,19 @@ class Trainer:
         model gets the whole sequences' doc_ids); otherwise the batch itself."""
         return self.context_parallel.shard_batch(batch) if self.context_parallel is not None else batch
 
-    def _step_totals(self, host: list[dict]) -> tuple[float, int, float]:
+    def _step_totals(self, host: list[dict]) -> tuple[float, int, float, float]:
         """This step's sums over every rank of what its host batches hold, in one host collective before the
         forward (no device copy, no wait for the device): the tokens with a label over every micro-batch of
-        every data-parallel rank, and the images and the tower's FLOPs (`_image_work`). Each CP rank counts its
-        own share of the sequences, so the world sum counts every token once per pipeline rank (the ranks of
-        one pipeline read the same batch); the count is exact, then divided by the pipeline degree."""
+        every data-parallel rank, the images and the tower's FLOPs (`_image_work`), and the padding tokens.
+        Each CP rank counts its own share of the sequences, so the world sum counts every token once per
+        pipeline rank (the ranks of one pipeline read the same batch); the count is exact, then divided by the
+        pipeline degree. The padding is counted on the whole rows' doc ids, which every CP rank holds."""
         local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)
+        padding = sum(int((b["doc_ids"] == 0).sum()) for b in host)
         images, image_flops = self._image_work(host)
-        valid, images, image_flops = host_all_reduce([float(local), float(images), image_flops])
-        return valid / self.layout.pp, int(images), image_flops
+        valid, images, image_flops, padding = host_all_reduce(
+            [float(local), float(images), image_flops, float(padding)])
+        return valid / self.layout.pp, int(images), image_flops, padding / (self.layout.pp * self.layout.cp)
 
     def _micro_step(self, batch: dict, normalizer: torch.Tensor | float, *, backward: bool,
                     max_causal_keys: int | None = None, indexer: dict | None = None) -> torch.Tensor:
@@ -348,7 +354,7 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         host = [self._local(next(data_iter)) for _ in range(self.accum_steps)]
         # The loss of every micro-batch on every rank is divided by the step's global count of valid tokens.
-        valid, images, image_flops = self._step_totals(host)
+        valid, images, image_flops, padding = self._step_totals(host)
         # a fill kernel for the device's normaliser and asynchronous copies of the batches: a blocking
         # host-to-device copy would wait for the previous step's queued work
         global_valid = valid if self.pipeline is not None else torch.full(
@@ -389,7 +395,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         tokens = self.global_batch * cfg.training.seq_len  # processed tokens, padding included
         per_device = tokens / dt / self.layout.world_size
-        flops = tokens * self.flops_per_token + image_flops
+        flops = tokens * self.flops_per_token - padding * self.routed_flops_per_token + image_flops
         return StepMetrics(
             step=self.step, loss=loss_value, grad_norm=clip.grad_norm, lr=lr, tokens=tokens, step_time=dt,
             tokens_per_sec=tokens / dt, tokens_per_sec_per_device=per_device,

@@ -20,13 +20,15 @@ class ParamCounts:
     active: int
     embedding: int
     frozen: int  # active parameters without gradients (the part of frozen experts a token touches)
+    routed: int = 0  # the routed experts' active parameters (included in active), which padding tokens skip
+    routed_frozen: int = 0  # of those, the ones without gradients
 
 
 def count_params(model: nn.Module, *, skip_prefixes: tuple[str, ...] = ()) -> ParamCounts:
     """Counts over the parameters this module holds (a pipeline stage counts only its own), except those whose
     names start with ``skip_prefixes`` (e.g. an image-text model's tower, whose FLOPs are per image patch)."""
     args: KimiK3ModelArgs = model.args
-    total = embedding = frozen = inactive = 0
+    total = embedding = frozen = inactive = routed = routed_frozen = 0
     for name, p in model.named_parameters():
         if name.startswith(skip_prefixes):
             continue
@@ -39,9 +41,11 @@ def count_params(model: nn.Module, *, skip_prefixes: tuple[str, ...] = ()) -> Pa
         if ".moe.experts." in name:
             skipped = n * (args.num_experts - args.num_experts_per_tok) // args.num_experts
             inactive += skipped
+            routed += n - skipped
+            routed_frozen += 0 if p.requires_grad else n - skipped
         if not p.requires_grad:
             frozen += n - skipped
-    return ParamCounts(total, total - embedding - inactive, embedding, frozen)
+    return ParamCounts(total, total - embedding - inactive, embedding, frozen, routed, routed_frozen)
 
 
 def _mean_keys(seq_len: int, cap: int | None = None) -> float:
@@ -89,6 +93,12 @@ def training_flops_per_token(args: KimiK3ModelArgs, seq_len: int, counts: ParamC
     attn_trained, attn_frozen = attention_flops_per_token(args, seq_len)
     frozen_cost = 4 if frozen_backward else 2
     return 6 * trained_params + frozen_cost * counts.frozen + 3 * attn_trained + attn_frozen
+
+
+def routed_expert_flops_per_token(counts: ParamCounts, *, frozen_backward: bool = False) -> float:
+    """The part of ``training_flops_per_token`` spent in the routed experts: what a padding token, which skips
+    them, does not cost."""
+    return 6 * (counts.routed - counts.routed_frozen) + (4 if frozen_backward else 2) * counts.routed_frozen
 
 
 def _counts_on_meta(args: KimiK3ModelArgs) -> ParamCounts:

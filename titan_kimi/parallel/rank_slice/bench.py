@@ -27,7 +27,8 @@ from titan_kimi.parallel.rank_slice.report import markdown_report
 from titan_kimi.parallel.stage_params import compute_dtype
 from titan_kimi.parallel.step_time.describe import settings_from_config
 from titan_kimi.parallel.step_time.estimate import StepTimeModel
-from titan_kimi.parallel.step_time.table import Table, ac_share, geometry_key, measured_settings, merge_entries
+from titan_kimi.parallel.step_time.table import (PADDING_SKIPPED, Table, ac_share, geometry_key, measured_settings,
+                                                 merge_entries)
 from titan_kimi.training.setup.build import model_args_from_config, tokenizer_from_config, vision_args_from_config
 from titan_kimi.training.setup.kernels import check_routed_expert_gemm, configure_kernels
 
@@ -344,7 +345,7 @@ class RankSliceBench:
             if section is None:
                 continue
             record = {"tokens": e.tokens, "rows": e.rows,
-                      "ac": ac if e.kind == "block" else 0.0, "load": e.load or "balanced",
+                      "ac": ac if e.kind == "block" else 0.0, "load": e.load or "balanced", "padding": PADDING_SKIPPED,
                       # only decoder layers are checkpointed: the others' entries hold no checkpointing
                       **{k: v for k, v in measured_settings(self.cfg).items()
                          if e.kind == "block" or k != "checkpointing"},

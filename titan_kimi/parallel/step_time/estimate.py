@@ -149,14 +149,17 @@ class StepTimeModel:
         a = self.args  # the factor does not depend on the tokens (beyond rounding): any microbatch will do
         return parse_load(name, 4096, a.num_experts_per_tok, a.num_experts, ep).rank_factor, name
 
-    def works(self, layout: ParallelLayout, rows: int) -> dict[int, StageWork]:
-        """Model FLOPs of every stage for one microbatch of ``rows`` whole rows (all CP ranks together)."""
+    def works(self, layout: ParallelLayout, rows: int, *, padding_routed: bool = False) -> dict[int, StageWork]:
+        """Model FLOPs of every stage for one microbatch of ``rows`` whole rows (all CP ranks together);
+        ``padding_routed``: with the padding tokens' routed-expert rows counted (as table entries measured before
+        padding skipped the experts ran them)."""
         seq_len = self.cfg.training.seq_len
         row, grids = self._row(seq_len)
         doc = row.expand(rows, -1)
         segments = row_segments(doc)
         factor, _ = self.load_factor(layout.ep)
-        routed = int(rows * seq_len * self.real_fraction * self.args.num_experts_per_tok * factor)
+        real = 1.0 if padding_routed else self.real_fraction
+        routed = int(rows * seq_len * real * self.args.num_experts_per_tok * factor)
         plan = layout.pipeline
         ranges = plan.ranges if plan is not None else ((0, self.args.n_layers),)
         if plan is not None:
@@ -170,24 +173,27 @@ class StepTimeModel:
                               tower_trained=not self.cfg.model.freeze_vision_tower)
                 for s, r in enumerate(ranges)}
 
-    def _times(self, work: StageWork, tokens: int, cp: int, ep: int) -> tuple[float, float, float, list[str]]:
+    def _times(self, work: StageWork, tokens: int, cp: int, ep: int,
+               padded: StageWork | None = None) -> tuple[float, float, float, list[str]]:
         """(forward, input-gradient, weight-gradient) seconds of one microbatch's compute on one rank of the
-        stage (``tokens`` local tokens, ``cp`` ranks sharing the rows), and notes."""
+        stage (``tokens`` local tokens, ``cp`` ranks sharing the rows), and notes. ``padded``: the stage's work
+        with the padding's routed-expert rows, which table entries measured with them routed are timed on."""
         fwd = b_in = b_w = 0.0
         notes: list[str] = []
         _, load = self.load_factor(ep)
 
         settings = measured_settings(self.cfg)
 
-        def lookup(section: str, kind: str, t: int, flops: LayerFlops, ac: float):
+        def lookup(section: str, kind: str, t: int, flops: LayerFlops, ac: float, with_padding: LayerFlops):
             # the CP ranks share a microbatch's work evenly (zigzag), except the vision tower: each runs it whole
-            f = _scaled(flops, 1.0 if section == "vision" else 1.0 / cp)
+            share = 1.0 if section == "vision" else 1.0 / cp
+            f, fp = _scaled(flops, share), _scaled(with_padding, share)
             got = self.s.table.time_ms(self.geometry, section, kind, t, f.forward, f.backward, ac, load,
-                                       settings)
+                                       settings, padded_flops=(fp.forward, fp.backward))
             inner = without_block_start(kind)
             if got is None and inner is not None:  # a block start never measured: its kind's rates
                 got = self.s.table.time_ms(self.geometry, section, inner, t, f.forward, f.backward, ac, load,
-                                           settings)
+                                           settings, padded_flops=(fp.forward, fp.backward))
             if got is None:
                 rate = self.s.fallback_mfu * self.s.peak_flops
                 got = (f.forward / rate * 1e3, f.backward / rate * 1e3 + ac * f.forward / rate * 1e3)
@@ -196,14 +202,16 @@ class StepTimeModel:
             own = got[1] - ac * got[0]  # the recomputed forward belongs to the input half
             return got[0] / 1e3, (got[1] - weight_share * own) / 1e3, weight_share * own / 1e3
 
-        parts = [("layers", kind, tokens, flops, self.ac) for _, kind, flops in work.layers]
+        padded = padded or work
+        parts = [("layers", kind, tokens, flops, self.ac, with_padding)
+                 for (_, kind, flops), (_, _, with_padding) in zip(work.layers, padded.layers)]
         if work.vision.total:
             t, h, w = self._row(self.cfg.training.seq_len)[1][0]
-            parts.append(("vision", "vision", t * h * w, work.vision, 0.0))
+            parts.append(("vision", "vision", t * h * w, work.vision, 0.0, work.vision))
         if work.head.total:
-            parts.append(("head", "head", tokens, work.head, 0.0))
-        for section, kind, t, flops, ac in parts:
-            f, i, w = lookup(section, kind, t, flops, ac)
+            parts.append(("head", "head", tokens, work.head, 0.0, work.head))
+        for section, kind, t, flops, ac, with_padding in parts:
+            f, i, w = lookup(section, kind, t, flops, ac, with_padding)
             fwd, b_in, b_w = fwd + f, b_in + i, b_w + w
         return fwd, b_in, b_w, notes
 
@@ -288,6 +296,7 @@ class StepTimeModel:
         n_micro = (t.local_batch_size // rows if plan is not None else 1) * accum
         tokens = rows * t.seq_len // layout.cp
         works = self.works(layout, rows)
+        padded_works = self.works(layout, rows, padding_routed=True)
         ranges = plan.ranges if plan is not None else ((0, a.n_layers),)
         # gathered once, in the first microbatch's forward, or again in every forward and backward
         keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=plan is not None)
@@ -299,7 +308,7 @@ class StepTimeModel:
         nic_micro, nic_step, boundary = {}, {}, {}  # seconds on the rank's NIC per microbatch and per step
         counts = {s: self.stage_counts(r) for s, r in enumerate(ranges)}
         for s, work in works.items():
-            f, i, w, missing = self._times(work, tokens, layout.cp, layout.ep)
+            f, i, w, missing = self._times(work, tokens, layout.cp, layout.ep, padded_works[s])
             notes += missing
             cf, cb, ep, nic_micro[s] = self._layer_comm(layout, ranges[s], tokens)
             comm_f[s], comm_b[s], ep_per_stage[s] = cf, cb, ep

@@ -26,6 +26,9 @@ RECOMPUTE_SHARE = {"none": 0.0, "full": 1.0, "selective": 0.5}  # forwards recom
 # Checkpointing that recomputes the whole forward but for outputs it keeps: a measured entry's backward holds its
 # real recompute; entries of other checkpointing count a whole forward (so they overstate it, never understate).
 KEEPS_OUTPUTS = ("selective/mixers",)
+# Padding tokens skip the routed experts (``LatentMoE``); entries measured before that routed them ("routed"):
+# their FLOPs count the padding's expert rows, so a lookup times them on those FLOPs (an upper bound).
+PADDING_ROUTED, PADDING_SKIPPED = "routed", "skipped"
 
 
 def geometry_key(args: KimiK3ModelArgs) -> str:
@@ -84,6 +87,7 @@ class Measured:
     compile: str = "none"  # the compile.mode it was measured under
     expert_gemm: str = "default"  # the training.routed_expert_gemm it was measured under
     checkpointing: str = "full"  # the activation checkpointing it was measured under (``checkpointing``)
+    padding: str = PADDING_ROUTED  # whether its padding tokens ran the routed experts
 
     @property
     def forward_rate(self) -> float:
@@ -126,7 +130,8 @@ class Table:
     def entries(self, geometry: str, section: str, kind: str) -> list[Measured]:
         rows = self.raw(geometry, section).get(kind, [])
         return [Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"],
-                         r["ac"], r["load"], **{k: r.get(k, default) for k, (_, default) in MEASURED_UNDER.items()})
+                         r["ac"], r["load"], **{k: r.get(k, default) for k, (_, default) in MEASURED_UNDER.items()},
+                         padding=r.get("padding", PADDING_ROUTED))
                 for r in rows]
 
     def measured_under(self, geometry: str, key: str) -> set[str]:
@@ -137,11 +142,14 @@ class Table:
 
     def time_ms(self, geometry: str, section: str, kind: str, tokens: int, forward_flops: float,
                 backward_flops: float, ac: float, load: str = "balanced",
-                settings: Mapping[str, str] | None = None) -> tuple[float, float] | None:
+                settings: Mapping[str, str] | None = None,
+                padded_flops: tuple[float, float] | None = None) -> tuple[float, float] | None:
         """(forward ms, backward ms incl. ``ac`` recomputed forwards) of ``kind`` at ``tokens`` with these
         FLOPs, from the rates measured nearest in tokens under ``settings`` (``measured_settings``; missing ones
         at their defaults: the entries matching all of them, else the first ones of MEASURED_UNDER, else any) and
-        load ``load`` (else balanced); None if the kind was never measured for this geometry."""
+        load ``load`` (else balanced); None if the kind was never measured for this geometry. Entries measured
+        with the padding skipping the routed experts come first; entries measured with it routed time
+        ``padded_flops`` (the same work with the padding's expert rows, when given) instead."""
         wanted = [(k, (settings or {}).get(k, default)) for k, (_, default) in MEASURED_UNDER.items()
                   if section == "layers" or k != "checkpointing"]  # only decoder layers are checkpointed
         job_checkpointing = dict(wanted).get("checkpointing")
@@ -156,6 +164,11 @@ class Table:
         chosen = [m for m in found if m.load == load] or [m for m in found if m.load == "balanced"] or found
         if not chosen:
             return None
+        skipped = [m for m in chosen if m.padding == PADDING_SKIPPED]
+        if skipped:
+            chosen = skipped
+        elif padded_flops is not None:
+            forward_flops, backward_flops = padded_flops
         fwd_rate = _interpolate(chosen, tokens, lambda m: m.forward_rate)
         bwd_rate = _interpolate(chosen, tokens, lambda m: m.backward_rate)
         fwd = forward_flops / fwd_rate if fwd_rate else 0.0
@@ -197,7 +210,8 @@ def merge_entries(table: dict[str, Any] | None, geometry: str, section: str, kin
     defaults = {k: default for k, (_, default) in MEASURED_UNDER.items()}  # what an entry without the key ran
 
     def key(e: dict[str, Any]) -> tuple:
-        return tuple(e.get(k, defaults.get(k)) for k in ("tokens", "ac", "load", "rows", *MEASURED_UNDER))
+        return (*(e.get(k, defaults.get(k)) for k in ("tokens", "ac", "load", "rows", *MEASURED_UNDER)),
+                e.get("padding", PADDING_ROUTED))
 
     kinds[kind] = [e for e in kinds.get(kind, []) if key(e) != key(entry)] + [entry]
     return out
