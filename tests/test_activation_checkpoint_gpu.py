@@ -42,14 +42,21 @@ def grads(mode, option, compiled):
     cot = torch.randn(B, S, args.dim, device="cuda", generator=gen)
     hidden = model(tokens, doc_ids=doc, return_hidden=True)
     (hidden * cot).sum().backward()
-    return {n.replace("_orig_mod.", ""): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): p.grad
+            for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_mixers_checkpointing_matches_full_with_the_gpu_kernels(gpu_kernels, compiled):
-    full, mixers = grads("full", "op", compiled), grads("selective", "mixers", compiled)
-    assert full.keys() == mixers.keys() and len(full) > 0
-    worst = max(rel_err(mixers[n], g) for n, g in full.items())
-    # fp32: the kept outputs are the forward's own, the recompute runs the same kernels; what differs is the order
-    # of atomic and fused reductions between the two graphs
-    assert worst < 1e-4, worst
+    """Against the same model without checkpointing: keeping the mixers' outputs is as close to it as
+    recomputing them (full). In fp32 FLA's and Triton's dots run in TF32 and the graphs differ in the order of
+    their atomic and fused reductions: on one H100 full and mixers were 3.2e-4 (eager) and 2.5e-3 (compiled)
+    apart in the worst parameter, and compiled both 1.66e-2 from no checkpointing, so the bound is full's own
+    distance, not a fixed 1e-4."""
+    none, full, mixers = (grads("none", "op", compiled), grads("full", "op", compiled),
+                          grads("selective", "mixers", compiled))
+    assert none.keys() == full.keys() == mixers.keys() and len(full) > 0
+    full_err = max(rel_err(full[n], g) for n, g in none.items())
+    mixers_err = max(rel_err(mixers[n], g) for n, g in none.items())
+    assert mixers_err < 5e-2 and full_err < 5e-2, (mixers_err, full_err)
+    assert mixers_err <= 2 * full_err + 1e-5, (mixers_err, full_err)
