@@ -123,23 +123,3 @@ def test_a_malformed_config_json_names_the_file_and_the_field(tmp_path, config, 
     with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: .*" + message.removeprefix(r"config\.json: ")):
         model_args_from_hf(tmp_path)
 
-
-def test_routed_expert_flops_are_the_experts_share_of_a_token():
-    """What a padding token (which skips the routed experts) does not cost: 6 FLOPs per routed-expert weight a
-    token touches (top_k of num_experts), 2 or 4 for frozen ones, nothing else."""
-    from titan_kimi.models.kimi_k3.accounting import routed_expert_flops_per_token
-
-    args = model_args_for("k3_debug")
-    with torch.device("meta"):
-        model = KimiK3Model(args)
-    counts = count_params(model)
-    experts = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
-    assert counts.routed == experts * args.num_experts_per_tok // args.num_experts
-    assert routed_expert_flops_per_token(counts) == 6 * counts.routed
-    for n, p in model.named_parameters():
-        if ".moe.experts." in n:
-            p.requires_grad_(False)
-    frozen = count_params(model)
-    assert frozen.routed_frozen == frozen.routed == counts.routed
-    assert routed_expert_flops_per_token(frozen) == 2 * counts.routed
-    assert routed_expert_flops_per_token(frozen, frozen_backward=True) == 4 * counts.routed
