@@ -122,4 +122,3 @@ def test_a_malformed_config_json_names_the_file_and_the_field(tmp_path, config, 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=rf"^{tmp_path}/config\.json: .*" + message.removeprefix(r"config\.json: ")):
         model_args_from_hf(tmp_path)
-

@@ -157,6 +157,49 @@ def test_hierarchical_route_queues_the_shared_experts_before_any_wait(one_rank_g
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("dispatch", ["flat", "hierarchical"])
+def test_expert_parallel_routes_skip_padding_tokens_as_the_local_layer_does(one_rank_group, monkeypatch, dispatch):
+    """On one rank standing for the EP group: with padding tokens (unrouted choices) the flat dispatch's
+    exchange and the hierarchical one's (token, node) pairs leave them out, and the layer's output and
+    gradients are the local layer's."""
+    import copy
+
+    from titan_kimi.parallel import expert_node_dispatch
+
+    sent = []
+    exchange = expert_node_dispatch.all_to_all_alongside
+    monkeypatch.setattr(expert_node_dispatch, "all_to_all_alongside",
+                        lambda x, *a, **k: sent.append(x.shape[0]) or exchange(x, *a, **k))
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+    from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, shard_flat
+
+    torch.manual_seed(5)
+    local = LatentMoE(model_args_for("k3_debug"))
+    local.init_weights()
+    sharded = copy.deepcopy(local)
+    if dispatch == "flat":
+        _permutation_on_any_device()
+        shard_flat(sharded.experts, init_device_mesh("cpu", (1,)))
+    else:
+        dispatch_by_node_on_one_rank(sharded, "cpu")
+    x = torch.randn(2, 9, 128)
+    is_real = torch.tensor([[True] * 6 + [False] * 3, [True] * 2 + [False] * 7]).view(-1)
+    cot = torch.randn(2, 9, 128)
+    outs = []
+    for moe in (local, sharded):
+        xi = x.clone().requires_grad_()
+        out = moe(xi, is_real)
+        outs.append((out.detach(), *torch.autograd.grad(out, [xi, moe.routed_expert_down_proj.weight], cot)))
+    for a, b in zip(*outs):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+    # the rows crossing nodes: one per real token (one node), none for the padding
+    assert sent == ([] if dispatch == "flat" else [int(is_real.sum())])
+
+
 def _previous_forward(moe, x: torch.Tensor) -> torch.Tensor:
     """LatentMoE's forward as it was before the seam: routed path, norm, up projection, then the shared experts
     added."""

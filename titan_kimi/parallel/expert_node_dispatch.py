@@ -50,13 +50,11 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         nodes = self.across.size()
         per_node = self.num_experts // nodes
         tokens = indices.shape[0]
-        chosen = indices >= 0  # -1: an unrouted choice (a padding token's), which goes to no node
-        node_of = torch.where(chosen, indices, 0) // per_node  # [T, k]
-        hit = torch.zeros(tokens, nodes, dtype=torch.int8, device=z.device).scatter_reduce_(
-            1, node_of, chosen.to(torch.int8), "amax").bool()
+        # [T, k]; an unrouted choice (-1: a padding token's) goes to the column past the last node, dropped
+        node_of = torch.where(indices >= 0, indices // per_node, nodes)
+        hit = torch.zeros(tokens, nodes + 1, dtype=torch.bool, device=z.device).scatter_(1, node_of, True)[:, :nodes]
         pair_node, pair_token = hit.t().nonzero(as_tuple=True)  # (token, node) pairs, grouped by node
-        # [P, k]: which of the token's choices are there
-        on_node = (node_of[pair_token] == pair_node.unsqueeze(1)) & chosen[pair_token]
+        on_node = node_of[pair_token] == pair_node.unsqueeze(1)  # [P, k]: which of the token's choices are there
         experts = torch.where(on_node, indices[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
         pair_weights = torch.where(on_node, weights[pair_token], 0.0)
         send = hit.sum(0)

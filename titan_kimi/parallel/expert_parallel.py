@@ -76,6 +76,14 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for block in model.layers.values() if getattr(block, "moe_enabled", False)]
 
 
+def routed_rows(rows: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """The routed rows of the experts' input ``rows``, sorted by expert: the unrouted slots after them (padding
+    tokens' choices, past the counts' sum) are left out of the exchange. A host sync for the count, beside the
+    one torchtitan's dispatch makes for its splits."""
+    routed = int(num_tokens_per_expert.sum())
+    return rows[:routed] if routed < rows.shape[0] else rows
+
+
 @functools.cache
 def _routed_rows_style() -> type:
     """torchtitan's ``ExpertParallel`` whose dispatch sends only the routed rows: the experts' input ends in
@@ -87,11 +95,8 @@ def _routed_rows_style() -> type:
     class RoutedRowsExpertParallel(ExpertParallel):
         def _token_dispatch(self, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh):
             routed_input, num_tokens_per_expert = inputs
-            # a host sync beside the one torchtitan's dispatch makes for its splits
-            routed = int(num_tokens_per_expert.sum())
-            if routed < routed_input.shape[0]:
-                routed_input = routed_input[:routed]
-            return super()._token_dispatch(mod, (routed_input, num_tokens_per_expert), device_mesh)
+            return super()._token_dispatch(mod, (routed_rows(routed_input, num_tokens_per_expert),
+                                                 num_tokens_per_expert), device_mesh)
 
     return RoutedRowsExpertParallel
 

@@ -296,7 +296,8 @@ class StepTimeModel:
         n_micro = (t.local_batch_size // rows if plan is not None else 1) * accum
         tokens = rows * t.seq_len // layout.cp
         works = self.works(layout, rows)
-        padded_works = self.works(layout, rows, padding_routed=True)
+        # the work table entries measured with the padding routed are timed on (the same work without padding)
+        padded_works = works if self.real_fraction == 1 else self.works(layout, rows, padding_routed=True)
         ranges = plan.ranges if plan is not None else ((0, a.n_layers),)
         # gathered once, in the first microbatch's forward, or again in every forward and backward
         keep = not reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=plan is not None)
