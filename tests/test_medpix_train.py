@@ -32,6 +32,11 @@ PIPELINED = (*MEDPIX, "--model.dtype", "float32", "--training.mixed_precision", 
              "--validation.freq", "4", "--validation.steps", "2")
 EXPORT = ("--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",
           "--checkpoint.last_save_model_only", "true", "--checkpoint.export_dtype", "float32")
+# fp32, 4 steps of 2 rows in order (the sample's rows hold 58-80 real tokens of 80), logged every step; the value
+# of training.pad_to_multiple_of follows
+TRIMMED = (*MEDPIX, "--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "4",
+           "--training.local_batch_size", "2", "--data.shuffle", "false", "--metrics.log_freq", "1",
+           "--training.pad_to_multiple_of")
 RUNS = {
     # 1: under torchrun, as the recipe's users launch it; 20 of its 40 steps (the loss has fallen 60x by then)
     "debug": Run(1, (*MEDPIX, "--training.steps", "20")),
@@ -42,6 +47,9 @@ RUNS = {
     "ep_single": Run(0, (*LORA_3_STEPS, "--training.local_batch_size", "4")),
     "pp_pp2": Run(2, (*PIPELINED, *EXPORT, "--parallelism.pipeline_parallel_degree", "2")),
     "pp_single": Run(0, (*PIPELINED, *EXPORT)),
+    # the same 4 steps with every micro-batch at seq_len, and cut after its last real token
+    "rows_whole": Run(0, (*TRIMMED, "0")),
+    "rows_trimmed": Run(0, (*TRIMMED, "4")),
     "vl_small": Run(0, ("--job.config_file", "train_configs/k31_vl_small.toml", "--model.flavor", "k31_debug",
                         "--model.vision_flavor", "moonvit3d_debug", "--training.steps", "6",
                         "--training.local_batch_size", "2", "--training.seq_len", "512", "--optimizer.implementation",
@@ -191,3 +199,15 @@ def test_one_gpu_image_text_recipe_runs_at_reduced_size(runs):
     assert len(metrics) == 6 and all(m["images"] == 2 for m in metrics)
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     assert "median_images_per_sec" in out
+
+
+def test_trimmed_rows_train_as_the_whole_rows(runs):
+    """``training.pad_to_multiple_of``: the columns after a batch's last real token never reach a real token, so
+    cutting them changes no loss; the steps run and count fewer tokens."""
+    whole, trimmed = runs.rows("rows_whole"), runs.rows("rows_trimmed")
+    assert len(whole) == len(trimmed) == 4
+    for a, b in zip(whole, trimmed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
+        assert a["tokens"] == 2 * 80 and b["tokens"] % (2 * 4) == 0
+    assert sum(b["tokens"] for b in trimmed) < sum(a["tokens"] for a in whole)

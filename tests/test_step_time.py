@@ -218,6 +218,32 @@ def test_mixers_checkpointing_holds_the_token_mixers_outputs_per_microbatch_in_f
     assert "activations are modelled for full and mixers checkpointing only" in out
 
 
+def test_trimmed_rows_run_at_their_real_length_and_memory_stays_sized_for_whole_rows():
+    """``training.pad_to_multiple_of``: the estimate times rows of 100 real tokens at 112 of seq_len 256 (work,
+    exchanges, tokens), and sizes memory for a batch whose longest row fills seq_len."""
+    from titan_kimi.config.loader import load_job_config
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.parallel.layout import resolve_layout
+    from titan_kimi.parallel.step_time.describe import settings_from_config
+    from titan_kimi.parallel.step_time.estimate import StepTimeModel
+
+    def estimate(multiple: str):
+        cfg = load_job_config([*STEP_TIME, "--parallelism.pipeline_parallel_degree", "1",
+                               "--training.global_batch_size", "32", "--training.seq_len", "256", "--step_time.rows", "padded:100", "--training.pad_to_multiple_of", multiple],
+                              environ={"WORLD_SIZE": "8"})
+        args = model_args_for("k31_debug")
+        model = StepTimeModel(cfg, args, None, settings_from_config(cfg))
+        layout = resolve_layout(cfg, 8, args)
+        return model, model.estimate(layout), model.works(layout, cfg.training.local_batch_size)[0].total.total
+
+    whole, trimmed = estimate("0"), estimate("16")
+    assert (whole[0].row_len, trimmed[0].row_len) == (256, 112)
+    assert trimmed[0].real_fraction == pytest.approx(100 / 112) and whole[0].real_fraction == pytest.approx(100 / 256)
+    assert trimmed[2] < 0.5 * whole[2]  # the work of 112 tokens per row, not 256
+    assert trimmed[1].terms["compute"] < 0.5 * whole[1].terms["compute"]
+    assert trimmed[1].memory_gib == whole[1].memory_gib
+
+
 def test_the_busiest_nic_bounds_the_step_when_compute_hides_the_gathers(capsys):
     """Without PP every microbatch gathers and reduce-scatters each FSDP unit behind compute; with every rank on
     its own node and a slow NIC, the hidden gathers, the reduce-scatters and the EP all-to-alls together take the

@@ -15,6 +15,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from titan_kimi.checkpoint import (CheckpointManager, ModelState, export_hf_chec
 from titan_kimi.config import load_job_config, to_toml, validate_job_config
 from titan_kimi.data import IGNORE_INDEX
 from titan_kimi.data.causal_keys import longest_document
+from titan_kimi.data.trim import trim_padding
 from titan_kimi.lora import load_adapters, merged_tensors, save_adapters
 from titan_kimi.models.kimi_k3 import KimiK3Model, count_params, training_flops_per_token
 from titan_kimi.models.kimi_k3.accounting import routed_expert_flops_per_token
@@ -58,6 +60,15 @@ from titan_kimi.training.setup.seeded_init import init_weights_seeded
 from titan_kimi.training.process.shutdown import StopRequest, stop_run
 
 logger = logging.getLogger("titan_kimi")
+
+
+class StepTotals(NamedTuple):
+    """A step's sums over every rank (`Trainer._step_totals`)."""
+
+    valid: float  # tokens with a label: the loss normaliser
+    images: int
+    flops: float  # model FLOPs of the work that runs (text and tower)
+    tokens: int  # tokens the model runs, padding included
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -130,7 +141,8 @@ class Trainer:
         self.counts = count_params(whole)
         # FLOPs per text token from the text model; the tower's are per image patch (vision_flops, per step).
         text_counts = count_params(whole, skip_prefixes=VISION_PREFIXES)
-        self.flops_per_token = training_flops_per_token(args, t.seq_len, text_counts, frozen_backward=cfg.lora.enable)
+        self.text_counts = text_counts
+        self._flops_per_token: dict[int, float] = {}  # per batch length: the attention terms depend on it
         # padding tokens skip the routed experts: the step's FLOPs leave their share out
         self.routed_flops_per_token = routed_expert_flops_per_token(text_counts, frozen_backward=cfg.lora.enable)
         del whole
@@ -312,19 +324,33 @@ class Trainer:
         model gets the whole sequences' doc_ids); otherwise the batch itself."""
         return self.context_parallel.shard_batch(batch) if self.context_parallel is not None else batch
 
-    def _step_totals(self, host: list[dict]) -> tuple[float, int, float, float]:
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per text token of a batch ``seq_len`` long (cached: a trimmed batch's length varies)."""
+        if seq_len not in self._flops_per_token:
+            self._flops_per_token[seq_len] = training_flops_per_token(
+                self.args, seq_len, self.text_counts, frozen_backward=self.cfg.lora.enable)
+        return self._flops_per_token[seq_len]
+
+    def _step_totals(self, host: list[dict]) -> StepTotals:
         """This step's sums over every rank of what its host batches hold, in one host collective before the
         forward (no device copy, no wait for the device): the tokens with a label over every micro-batch of
-        every data-parallel rank, the images and the tower's FLOPs (`_image_work`), and the padding tokens.
-        Each CP rank counts its own share of the sequences, so the world sum counts every token once per
-        pipeline rank (the ranks of one pipeline read the same batch); the count is exact, then divided by the
-        pipeline degree. The padding is counted on the whole rows' doc ids, which every CP rank holds."""
+        every data-parallel rank, the images and the tower's FLOPs (`_image_work`), the tokens the model runs
+        (padding included; fewer than global batch x seq_len where trailing padding is trimmed) and the model's
+        FLOPs on them. Each CP rank counts its own share of the sequences, so the world sum counts every token
+        once per pipeline rank (the ranks of one pipeline read the same batch); the count is exact, then divided
+        by the pipeline degree. The padding is counted on the whole rows' doc ids, which every CP rank holds."""
+        pp, cp = self.layout.pp, self.layout.cp
         local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)
         padding = sum(int((b["doc_ids"] == 0).sum()) for b in host)
+        # whole rows (doc_ids stay whole under CP): each CP rank adds its 1/cp share
+        run = sum(b["doc_ids"].numel() for b in host) / cp
+        text_flops = sum(b["doc_ids"].numel() * self.flops_per_token(b["doc_ids"].shape[1]) for b in host) / cp
         images, image_flops = self._image_work(host)
-        valid, images, image_flops, padding = host_all_reduce(
-            [float(local), float(images), image_flops, float(padding)])
-        return valid / self.layout.pp, int(images), image_flops, padding / (self.layout.pp * self.layout.cp)
+        valid, images, image_flops, padding, run, text_flops = host_all_reduce(
+            [float(local), float(images), image_flops, float(padding), run, text_flops])
+        # padding tokens skip the routed experts: their share is left out
+        flops = (text_flops - padding / cp * self.routed_flops_per_token) / pp + image_flops
+        return StepTotals(valid / pp, int(images), flops, round(run / pp))
 
     def _micro_step(self, batch: dict, normalizer: torch.Tensor | float, *, backward: bool,
                     max_causal_keys: int | None = None, indexer: dict | None = None) -> torch.Tensor:
@@ -352,9 +378,11 @@ class Trainer:
         """One optimizer step. The host reads the device once, after the backward: the gradient norm (which
         decides skip or stop), the loss and the router load together (`clip_gradients`' ``read_with``)."""
         cfg, t0 = self.cfg, time.perf_counter()
-        host = [self._local(next(data_iter)) for _ in range(self.accum_steps)]
+        multiple = cfg.training.pad_to_multiple_of
+        host = [self._local(trim_padding(next(data_iter), multiple)) for _ in range(self.accum_steps)]
         # The loss of every micro-batch on every rank is divided by the step's global count of valid tokens.
-        valid, images, image_flops, padding = self._step_totals(host)
+        totals = self._step_totals(host)
+        valid, images = totals.valid, totals.images
         # a fill kernel for the device's normaliser and asynchronous copies of the batches: a blocking
         # host-to-device copy would wait for the previous step's queued work
         global_valid = valid if self.pipeline is not None else torch.full(
@@ -393,9 +421,9 @@ class Trainer:
         # No device sync: the optimizer step stays queued and the next step's read of the norm waits for it, so
         # in a running loop each step's interval holds one step of device work.
         dt = time.perf_counter() - t0
-        tokens = self.global_batch * cfg.training.seq_len  # processed tokens, padding included
+        tokens = totals.tokens  # processed tokens, padding included (the trimmed length where it is cut)
         per_device = tokens / dt / self.layout.world_size
-        flops = tokens * self.flops_per_token - padding * self.routed_flops_per_token + image_flops
+        flops = totals.flops
         return StepMetrics(
             step=self.step, loss=loss_value, grad_norm=clip.grad_norm, lr=lr, tokens=tokens, step_time=dt,
             tokens_per_sec=tokens / dt, tokens_per_sec_per_device=per_device,
@@ -431,7 +459,7 @@ class Trainer:
         for i, batch in enumerate(self.validation_loader):
             if cfg.validation.steps != -1 and i >= cfg.validation.steps:
                 break
-            batch = self._local(batch)
+            batch = self._local(trim_padding(batch, cfg.training.pad_to_multiple_of))
             count += int((batch["labels"] != IGNORE_INDEX).sum())
             keys = longest_document(batch["doc_ids"])
             batch = {k: v.to(self.device) for k, v in batch.items()}

@@ -81,6 +81,7 @@ def check_degrees(cfg: JobConfig, world_size: int | None = None, *, image_text: 
                            "with an image-text model: sharding sequences whose placeholders the model expands into "
                            "image positions is not built", "1 (the image-text recipes train without CP)")
     _check_expert_dispatch(check, ep, p.expert_parallel_dispatch, p.expert_parallel_node_size)
+    _check_trimmed_rows(check, pp, cp, t.pad_to_multiple_of)
     shard = p.data_parallel_shard_degree
     if shard != -1:
         _experts_fit(check, shard, cp, ep)
@@ -114,6 +115,20 @@ def check_degrees(cfg: JobConfig, world_size: int | None = None, *, image_text: 
                            f"not a multiple of local_batch_size {local} * data-parallel degree {dp} "
                            f"(for the {world})", f"-1 or a multiple of {local * dp}")
     return shard
+
+
+def _check_trimmed_rows(check: LayoutCheck, pp: int, cp: int, multiple: int) -> None:
+    # A pipeline stage sizes its receive buffers from the first step's microbatch, and the CP ranks cut rows of
+    # one length: neither takes a batch length that changes from step to step.
+    if multiple and pp > 1:
+        raise check.reject("training.pad_to_multiple_of",
+                           f"with {check.other('parallelism.pipeline_parallel_degree')}: pipeline stages keep the "
+                           "first step's activation shapes, and trimmed batches change length from step to step",
+                           "0 (rows at seq_len) with pipeline parallelism")
+    if multiple and cp > 1:
+        raise check.reject("training.pad_to_multiple_of",
+                           f"with {check.other('parallelism.context_parallel_degree')}: trimming rows before "
+                           "they are cut into context-parallel chunks is not built", "0 with context parallelism")
 
 
 def _experts_fit(check: LayoutCheck, shard: int, cp: int, ep: int) -> None:

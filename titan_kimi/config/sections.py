@@ -74,6 +74,12 @@ class Training:
         bounds=at_least(1, also=(-1,)))
     local_batch_size: int = option(8, "sequences per rank per micro-step", bounds=at_least(1))
     seq_len: int = option(2048, "tokens per sequence", bounds=at_least(1))
+    pad_to_multiple_of: int = option(
+        0, "0 = every batch runs at seq_len, padding included (as the padded datasets fill their rows); N > 0 = each "
+        "micro-batch runs only up to its rows' last real token, rounded up to a multiple of N (at most seq_len), so "
+        "the padding after it costs nothing (the batch's length then changes from step to step; compiled regions "
+        "see it as a dynamic size). Needs pipeline_parallel_degree 1 and context_parallel_degree 1",
+        bounds=at_least(0))
     max_norm: float = option(1.0, "gradient-norm clipping threshold", bounds=above(0))
     nonfinite_grad_policy: str = option(
         "skip", "on a NaN/inf gradient norm: skip the optimizer step, or stop the run",

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+POSITION_KEYS = ("input_ids", "labels", "doc_ids")  # the entries with one value per position [B, S]
 Sample = dict[str, torch.Tensor]
 Batch = dict[str, torch.Tensor]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_kimi.data.batch import IGNORE_INDEX, Batch, Sample
+from titan_kimi.data.batch import IGNORE_INDEX, POSITION_KEYS, Batch, Sample
 from titan_kimi.data.chat import IMAGE_PLACEHOLDER, encode_chat
 from titan_kimi.data.image_processor import ImageProcessor, open_image
 from titan_kimi.data.image_text_records import ImageTextRecords
@@ -142,7 +142,7 @@ def collate_image_text(samples: Sequence[Sample]) -> Batch:
     of the placeholders in ``input_ids``): ``pixel_values [sum L, 3, 14, 14]``, ``grid_thws [images, 3]``."""
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
-    batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "labels", "doc_ids")}
+    batch = {key: torch.stack([s[key] for s in samples]) for key in POSITION_KEYS}
     batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
     batch["grid_thws"] = torch.cat([s["grid_thws"] for s in samples])
     return batch

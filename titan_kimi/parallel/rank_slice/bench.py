@@ -75,7 +75,8 @@ class RankSliceBench:
         self.rows = self.layout.microbatch_size if pipeline is not None else t.local_batch_size
         self.n_microbatches = ((t.local_batch_size // self.rows if pipeline is not None else 1)
                                * self.layout.accumulation_steps)
-        self.tokens = self.rows * t.seq_len
+        self.seq_len = self.model.row_len  # seq_len, or less where training.pad_to_multiple_of trims the padding
+        self.tokens = self.rows * self.seq_len
         self.dtype = compute_dtype(cfg)
         self.gen = torch.Generator().manual_seed(cfg.job.seed)
         self.peak_flops = cfg.metrics.peak_flops
@@ -93,7 +94,7 @@ class RankSliceBench:
         self.slice = build_rank_slice(cfg, args, self.layout, self.tokenizer, pp_rank=self.pp_rank,
                                       load=self.loads[0] if self.loads else None, device=self.device,
                                       max_layers=opts.max_layers)
-        self.mbs = {index: make_microbatch(stage.part, self.rows_layout, self.rows, t.seq_len, self.device,
+        self.mbs = {index: make_microbatch(stage.part, self.rows_layout, self.rows, self.seq_len, self.device,
                                            self.dtype, self.gen) for index, stage in self.slice.stages}
         first = next(iter(self.mbs.values()))
         self.max_keys = None if pipeline is not None else longest_document(first.doc_ids.cpu())
@@ -122,7 +123,7 @@ class RankSliceBench:
                 "flavor": cfg.model.flavor, "vision": cfg.model.vision_flavor, "dtype": str(self.dtype),
                 "activation_checkpoint": f"{cfg.activation_checkpoint.mode}/{cfg.activation_checkpoint.selective_ac_option}",
                 "compile": f"{cfg.compile.mode}/{cfg.compile.granularity}", "kernels": {k: str(v) for k, v in self.resolved.items()},
-                "rows": self.rows_layout.describe(), "microbatch": f"{self.rows} x {cfg.training.seq_len} tokens",
+                "rows": self.rows_layout.describe(), "microbatch": f"{self.rows} x {self.seq_len} tokens",
                 "microbatches": self.n_microbatches, "loads": [l.describe() for l in self.loads],
                 "stage": self.stage, "pp_rank": self.pp_rank, "peak_flops": self.peak_flops,
                 "overrides": " ".join(self.overrides), "command": getattr(self.opts, "command", ""),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from lowerings.ops.sequence_shards import parts_per_rank
 from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
+from titan_kimi.data.trim import padded_length, real_length
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.layer_flops import LayerFlops, row_segments
@@ -100,8 +101,12 @@ class StepTimeModel:
         except ValueError as err:
             raise ValueError(f"step_time.rows = {cfg.step_time.rows!r} (row layout {spec!r}): {err}; set "
                              "step_time.rows to a layout that fits training.seq_len") from None
+        # the length a microbatch runs at (training.pad_to_multiple_of cuts the padding after the last real
+        # token); memory is sized for whole rows (a batch's longest row may fill seq_len)
+        self.row_len = padded_length(real_length(row.unsqueeze(0)), cfg.training.pad_to_multiple_of,
+                                     cfg.training.seq_len)
         # padding tokens skip the routed experts: only real tokens' rows are exchanged and computed
-        self.real_fraction = float((row != 0).float().mean())
+        self.real_fraction = float((row[:self.row_len] != 0).float().mean())
         self.dtype = compute_dtype(cfg)
 
     def with_config(self, cfg) -> "StepTimeModel":
@@ -153,7 +158,7 @@ class StepTimeModel:
         """Model FLOPs of every stage for one microbatch of ``rows`` whole rows (all CP ranks together);
         ``padding_routed``: with the padding tokens' routed-expert rows counted (as table entries measured before
         padding skipped the experts ran them)."""
-        seq_len = self.cfg.training.seq_len
+        seq_len = self.row_len
         row, grids = self._row(seq_len)
         doc = row.expand(rows, -1)
         segments = row_segments(doc)
@@ -206,7 +211,7 @@ class StepTimeModel:
         parts = [("layers", kind, tokens, flops, self.ac, with_padding)
                  for (_, kind, flops), (_, _, with_padding) in zip(work.layers, padded.layers)]
         if work.vision.total:
-            t, h, w = self._row(self.cfg.training.seq_len)[1][0]
+            t, h, w = self._grids()[0]
             parts.append(("vision", "vision", t * h * w, work.vision, 0.0, work.vision))
         if work.head.total:
             parts.append(("head", "head", tokens, work.head, 0.0, work.head))
@@ -244,7 +249,7 @@ class StepTimeModel:
             # beside torchtitan's combine in the forward; its backward's exchanges wait at once
             leg, leg_backward = one, False
         rows = layout.microbatch_size if layout.pipeline is not None else self.cfg.training.local_batch_size
-        whole = rows * self.cfg.training.seq_len  # the CP group's tokens
+        whole = rows * self.row_len  # the CP group's tokens
         for layer in range(*layer_range):
             if a.is_moe_layer(layer) and layout.ep > 1:
                 hide_f, hide_b = self._beside_shared_experts(layer, tokens, leg, leg_backward)
@@ -294,7 +299,7 @@ class StepTimeModel:
         global_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * layout.dp
         accum = global_batch // (t.local_batch_size * layout.dp)
         n_micro = (t.local_batch_size // rows if plan is not None else 1) * accum
-        tokens = rows * t.seq_len // layout.cp
+        tokens = rows * self.row_len // layout.cp
         works = self.works(layout, rows)
         # the work table entries measured with the padding routed are timed on (the same work without padding)
         padded_works = works if self.real_fraction == 1 else self.works(layout, rows, padding_routed=True)
@@ -388,8 +393,8 @@ class StepTimeModel:
             terms["NIC contention"] = nic - step
             step = nic
         step_flops = sum(w.total.total for w in works.values()) * n_micro * layout.dp
-        step_tokens = global_batch * t.seq_len
-        memory, memory_note = self._memory(layout, plan_used, n_micro, counts, tokens, works)
+        step_tokens = global_batch * self.row_len
+        memory, memory_note = self._memory(layout, plan_used, n_micro, counts, rows * t.seq_len // layout.cp, works)
         source = (f"measured ({self.s.table.path.name}, {self.s.table.hardware})" if not notes else
                   f"FLOP-rate fallback at {self.s.fallback_mfu:.0%} of peak for {sorted(set(notes))} "
                   f"({self.s.table.missing or 'not in the table'}): not measured")

@@ -30,7 +30,7 @@ class StepMetrics:
     loss: float
     grad_norm: float
     lr: float
-    tokens: int  # tokens in the global batch
+    tokens: int  # tokens the step ran over the global batch, padding included (fewer where it is trimmed)
     step_time: float
     tokens_per_sec: float
     tokens_per_sec_per_device: float
