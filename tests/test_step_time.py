@@ -244,6 +244,19 @@ def test_trimmed_rows_run_at_their_real_length_and_memory_stays_sized_for_whole_
     assert trimmed[1].memory_gib == whole[1].memory_gib
 
 
+def test_dry_run_names_the_fastest_layout_with_trimmed_rows_where_rows_end_in_padding(capsys):
+    rows = ("--training.seq_len", "256", "--step_time.rows", "padded:100")
+    out = run_main(capsys, *STEP_TIME, *rows)
+    hint = next(line for line in out.splitlines() if line.startswith("# rows hold "))
+    assert hint.startswith("# rows hold 100 real tokens of 256: with --training.pad_to_multiple_of 128 (no PP, no CP) "
+                           "they run at 128; the fastest that fits: pp 1 x ")
+    assert re.search(r"\(\d+\.\d\dx the configured layout's step\)$", hint)
+    out = run_main(capsys, *STEP_TIME, *rows, "--parallelism.pipeline_parallel_degree", "1",
+                   "--training.global_batch_size", "32", "--training.pad_to_multiple_of", "16")
+    assert "# step time: rows run at 112 of 256 tokens (training.pad_to_multiple_of = 16)" in out
+    assert "# rows hold" not in run_main(capsys, *STEP_TIME)  # packed rows: no padding to cut
+
+
 def test_the_busiest_nic_bounds_the_step_when_compute_hides_the_gathers(capsys):
     """Without PP every microbatch gathers and reduce-scatters each FSDP unit behind compute; with every rank on
     its own node and a slow NIC, the hidden gathers, the reduce-scatters and the EP all-to-alls together take the

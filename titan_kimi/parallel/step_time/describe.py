@@ -43,6 +43,32 @@ def fits(e: StepEstimate, limit: float) -> bool:
     return e.memory_gib is not None and e.memory_gib <= limit
 
 
+TRIM_MULTIPLE = 128  # the hint's training.pad_to_multiple_of: few compiled lengths, whole tiles of the kernels
+
+
+def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) -> list[str]:
+    """Where the rows end in padding and the config runs them whole: the fastest layout that fits at the
+    configured GPU count with ``training.pad_to_multiple_of`` set (it needs no PP and no CP)."""
+    t = cfg.training
+    if t.pad_to_multiple_of:
+        return [f"step time: rows run at {model.row_len} of {t.seq_len} tokens (training.pad_to_multiple_of = "
+                f"{t.pad_to_multiple_of}); memory is sized for whole rows"]
+    trimmed = copy.copy(cfg)
+    trimmed.training = dataclasses.replace(t, pad_to_multiple_of=TRIM_MULTIPLE)
+    cut = model.with_config(trimmed)
+    if cut.row_len == t.seq_len:
+        return []
+    real = round(cut.real_fraction * cut.row_len)
+    head = (f"rows hold {real} real tokens of {t.seq_len}: with --training.pad_to_multiple_of {TRIM_MULTIPLE} "
+            f"(no PP, no CP) they run at {cut.row_len}")
+    fit = [e for e in sweep(cut, probe.layout.world_size)[0] if fits(e, limit)]
+    if not fit:
+        return [f"{head}; no such layout fits in {limit:g} GiB at {probe.layout.world_size} GPUs"]
+    best = fit[0]
+    return [f"{head}; the fastest that fits: {line(best, limit)} ({probe.step_s / best.step_s:.2f}x the configured "
+            "layout's step)"]
+
+
 def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
     s = settings_from_config(cfg)
     model = StepTimeModel(cfg, args, vision, s)
@@ -64,6 +90,7 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
                 lines.append(f"step time with {schedule}: not a valid layout ({str(err).split(';')[0]})")
                 continue
             lines.append(f"step time with {schedule}: {line(model.with_config(c).estimate(other), s.memory_gib)}")
+    lines += _trimmed_rows(cfg, model, probe, s.memory_gib)
     t = cfg.training
     recipe_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * layout.dp
     for gpus in cfg.step_time.gpu_counts or [layout.world_size]:
