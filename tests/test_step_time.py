@@ -257,6 +257,25 @@ def test_dry_run_names_the_fastest_layout_with_trimmed_rows_where_rows_end_in_pa
     assert "# rows hold" not in run_main(capsys, *STEP_TIME)  # packed rows: no padding to cut
 
 
+def test_a_layers_transient_scales_from_the_measurements_nearest_in_tokens():
+    """A measured peak holds parts that do not grow with the tokens: 4,096-token memory scales the 4,096-token
+    entries, not a 1,152-token entry multiplied by 3.6."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from titan_kimi.parallel.step_time.estimate import StepTimeModel
+
+    rows = {"kda+moe": [{"tokens": 4096, "ac": 1.0, "peak_gib": 10.0}, {"tokens": 1152, "ac": 1.0, "peak_gib": 4.0},
+                        {"tokens": 4096, "ac": 0.0, "peak_gib": 50.0}],
+            "dsa+moe": [{"tokens": 4096, "ac": 1.0, "peak_gib": 12.0}]}
+    table = Table({"format": 1, "geometries": {"g": {"layers": rows}}}, Path("t.json"))
+    fake = SimpleNamespace(s=SimpleNamespace(table=table), geometry="g", ac=1.0)
+    assert StepTimeModel._transient(fake, 4096) == 12.0
+    assert StepTimeModel._transient(fake, 3072) == 9.0  # nearer 4,096 than 1,152 on log tokens
+    assert StepTimeModel._transient(fake, 1152) == 4.0
+    assert StepTimeModel._transient(SimpleNamespace(s=fake.s, geometry="other", ac=1.0), 4096) is None
+
+
 def test_the_busiest_nic_bounds_the_step_when_compute_hides_the_gathers(capsys):
     """Without PP every microbatch gathers and reduce-scatters each FSDP unit behind compute; with every rank on
     its own node and a slow NIC, the hidden gathers, the reduce-scatters and the EP all-to-alls together take the

@@ -21,6 +21,7 @@ What runs where (torchtitan 0.2.2 + torch.distributed.pipelining as this project
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lowerings.ops.sequence_shards import parts_per_rank
@@ -474,11 +475,15 @@ class StepTimeModel:
 
     def _transient(self, tokens: int) -> float | None:
         """GiB above the saved activations while one layer recomputes and runs its backward: the largest
-        measured peak of a block under this checkpointing, scaled to ``tokens``."""
-        peaks = [r["peak_gib"] * tokens / r["tokens"]
+        measured peak of a block under this checkpointing, scaled to ``tokens`` from the measurements at the
+        nearest token count (a peak also holds parts that do not grow with the tokens: scaled far, it overstates)."""
+        peaks = [(r["tokens"], r["peak_gib"] * tokens / r["tokens"])
                  for rows in self.s.table.raw(self.geometry, "layers").values() for r in rows
                  if r.get("peak_gib") is not None and r.get("tokens") and r.get("ac") == self.ac]
-        return max(peaks) if peaks else None
+        if not peaks:
+            return None
+        nearest = min({t for t, _ in peaks}, key=lambda t: abs(math.log(t / tokens)))
+        return max(p for t, p in peaks if t == nearest)
 
 
 def _exposed_after(gathers: list[float], layer_compute: float, wait: float) -> float:
