@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 from titan_kimi.config.validation import validate_job_config
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
@@ -65,8 +66,14 @@ def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) 
     if not fit:
         return [f"{head}; no such layout fits in {limit:g} GiB at {probe.layout.world_size} GPUs"]
     best = fit[0]
+    measured = {r["tokens"] for rows in cut.s.table.raw(cut.geometry, "layers").values() for r in rows
+                if r.get("tokens")}
+    near = any(abs(math.log(t / cut.row_len)) < math.log(1.5) for t in measured)
+    caveat = "" if near or not measured else (
+        f"; the table holds no layer measured near {cut.row_len} tokens (it has {sorted(measured)}): the nearest "
+        "rates stand in, and short rows run less efficiently")
     return [f"{head}; the fastest that fits: {line(best, limit)} ({probe.step_s / best.step_s:.2f}x the configured "
-            "layout's step)"]
+            f"layout's step){caveat}"]
 
 
 def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
