@@ -140,11 +140,11 @@ class Trainer:
         self.vision = whole.vision_args if isinstance(whole, KimiK3VLModel) else None
         self.counts = count_params(whole)
         # FLOPs per text token from the text model; the tower's are per image patch (vision_flops, per step).
-        text_counts = count_params(whole, skip_prefixes=VISION_PREFIXES)
-        self.text_counts = text_counts
+        self.text_counts = count_params(whole, skip_prefixes=VISION_PREFIXES)
         self._flops_per_token: dict[int, float] = {}  # per batch length: the attention terms depend on it
         # padding tokens skip the routed experts: the step's FLOPs leave their share out
-        self.routed_flops_per_token = routed_expert_flops_per_token(text_counts, frozen_backward=cfg.lora.enable)
+        self.routed_flops_per_token = routed_expert_flops_per_token(self.text_counts,
+                                                                    frozen_backward=cfg.lora.enable)
         del whole
         # Before the model parts: a pipelined image-text model's first stage takes image slots sized by the data.
         self.dataloader = self._build_dataloader(cfg.data.path, seed=cfg.job.seed, shuffle=cfg.data.shuffle)

@@ -66,8 +66,7 @@ def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) 
     if not fit:
         return [f"{head}; no such layout fits in {limit:g} GiB at {probe.layout.world_size} GPUs"]
     best = fit[0]
-    measured = {r["tokens"] for rows in cut.s.table.raw(cut.geometry, "layers").values() for r in rows
-                if r.get("tokens")}
+    measured = cut.s.table.tokens_measured(cut.geometry, "layers")
     near = any(abs(math.log(t / cut.row_len)) < math.log(1.5) for t in measured)
     caveat = "" if near or not measured else (
         f"; the table holds no layer measured near {cut.row_len} tokens (it has {sorted(measured)}): the nearest "

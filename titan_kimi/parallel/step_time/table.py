@@ -127,6 +127,10 @@ class Table:
             return {}
         return self.data.get("geometries", {}).get(geometry, {}).get(section, {})
 
+    def tokens_measured(self, geometry: str, section: str) -> set[int]:
+        """The microbatch token counts any kind of ``section`` was measured at."""
+        return {r["tokens"] for rows in self.raw(geometry, section).values() for r in rows if r.get("tokens")}
+
     def entries(self, geometry: str, section: str, kind: str) -> list[Measured]:
         rows = self.raw(geometry, section).get(kind, [])
         return [Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"],
