@@ -11,11 +11,11 @@ from titan_kimi.parallel.activation_checkpoint import apply_activation_checkpoin
 from titan_kimi.training.loss import LinearCrossEntropyLoss
 
 
-def loss_and_grads(mode, option):
+def loss_and_grads(mode, option, uncheckpointed=0):
     torch.manual_seed(0)
     model = KimiK3Model(model_args_for("k31_debug", index_topk=8))
     model.init_weights()
-    apply_activation_checkpointing(model, mode, option)
+    apply_activation_checkpointing(model, mode, option, uncheckpointed)
     tokens = torch.randint(0, 2048, (2, 24))
     doc_ids = torch.tensor([[1] * 24, [1] * 10 + [2] * 14])
     hidden = model(tokens, doc_ids=doc_ids, return_hidden=True)
@@ -25,17 +25,30 @@ def loss_and_grads(mode, option):
     return loss.detach(), grads, model
 
 
-@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "2"),
-                                          ("selective", "mixers")])
-def test_checkpointed_blocks_give_the_same_loss_and_gradients(mode, option):
+@pytest.mark.parametrize("mode, option, uncheckpointed, wrapped_count",
+                         [("full", "op", 0, 8), ("selective", "op", 0, 8), ("selective", "2", 0, 4),
+                          ("selective", "mixers", 0, 8), ("full", "op", 3, 5), ("selective", "mixers", 2, 6)])
+def test_checkpointed_blocks_give_the_same_loss_and_gradients(mode, option, uncheckpointed, wrapped_count):
     loss, grads, _ = loss_and_grads("none", "op")
-    ckpt_loss, ckpt_grads, model = loss_and_grads(mode, option)
+    ckpt_loss, ckpt_grads, model = loss_and_grads(mode, option, uncheckpointed)
     wrapped = [type(b).__name__ for b in model.layers.values()]
-    assert wrapped.count("CheckpointWrapper") == (4 if option == "2" else 8)
+    assert wrapped.count("CheckpointWrapper") == wrapped_count
+    if uncheckpointed:  # the blocks left out are the stage's last: their backward runs first
+        assert "CheckpointWrapper" not in wrapped[-uncheckpointed:]
     assert torch.equal(loss, ckpt_loss)
     assert grads.keys() == ckpt_grads.keys()
     for name in grads:
         assert torch.allclose(grads[name], ckpt_grads[name], rtol=1e-5, atol=1e-7), name
+
+
+def test_which_blocks_are_checkpointed():
+    from titan_kimi.parallel.activation_checkpoint import checkpointed_blocks
+
+    assert checkpointed_blocks(5, "full", "op") == [True] * 5
+    assert checkpointed_blocks(5, "full", "op", 2) == [True, True, True, False, False]
+    assert checkpointed_blocks(3, "selective", "mixers", 7) == [False] * 3  # more than the stage holds: none
+    assert checkpointed_blocks(5, "selective", "2") == [True, False, True, False, True]
+    assert checkpointed_blocks(4, "none", "op") == [False] * 4
 
 
 def count_runs(monkeypatch, option):

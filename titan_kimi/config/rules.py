@@ -143,6 +143,18 @@ def selective_ac_option_is_known(cfg: JobConfig, source_of: SourceOf) -> None:
                       "\"op\", \"mixers\", or a block frequency written as digits >= 1 (e.g. \"2\")")
 
 
+def uncheckpointed_blocks_need_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
+    ac = cfg.activation_checkpoint
+    if ac.uncheckpointed_blocks and (ac.mode == "none" or (ac.mode == "selective"
+                                                          and ac.selective_ac_option not in ("op", "mixers"))):
+        mode = _other(cfg, "activation_checkpoint.mode", source_of)
+        if ac.mode == "selective":
+            mode += " with " + _other(cfg, "activation_checkpoint.selective_ac_option", source_of)
+        raise _reject(cfg, "activation_checkpoint.uncheckpointed_blocks", source_of,
+                      f"has no blocks to take out of checkpointing under {mode}",
+                      "0, or mode = \"full\" or \"selective\" with selective_ac_option \"op\" or \"mixers\"")
+
+
 def compile_has_components(cfg: JobConfig, source_of: SourceOf) -> None:
     if cfg.compile.mode != "none" and not cfg.compile.components:
         raise _reject(cfg, "compile.components", source_of,
@@ -334,6 +346,7 @@ RULES: tuple[Rule, ...] = (
     microbatch_gradient_sync_needs_a_pipeline_of_whole_backwards,
     schedule_fits_in_training,
     selective_ac_option_is_known,
+    uncheckpointed_blocks_need_checkpointing,
     compile_has_components,
     module_compile_without_checkpointing,
     global_batch_is_whole_local_batches,

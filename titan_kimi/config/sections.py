@@ -225,6 +225,11 @@ class ActivationCheckpoint:
         "op", "selective mode: \"op\" (save the token mixers', grouped GEMMs', every other matmul's and the expert "
         "exchanges' outputs), \"mixers\" (recompute all but the token mixers' outputs: KDA, sparse MLA, the "
         "indexer's top-k, attention) or N as digits (checkpoint every Nth block)")
+    uncheckpointed_blocks: int = option(
+        0, "under full, op or mixers checkpointing: the last N decoder blocks of each pipeline stage run without it "
+        "(they keep all their activations, and their backward skips the recomputed forward; theirs runs first, so "
+        "their activations are freed before any checkpointed block recomputes); the dry run's step-time estimate "
+        "names the most that fit", bounds=at_least(0))
 
 
 @dataclass

@@ -90,21 +90,32 @@ def _mixers_policy():
 SELECTIVE_POLICIES = {"op": _op_policy, "mixers": _mixers_policy}
 
 
-def apply_activation_checkpointing(model: KimiK3Model, mode: str, option: str) -> None:
+def checkpointed_blocks(n_blocks: int, mode: str, option: str, uncheckpointed: int = 0) -> list[bool]:
+    """Which of a stage's ``n_blocks`` decoder blocks, in order, run under checkpointing: all under ``full``,
+    ``op`` and ``mixers``, every N-th under digits N, none under ``none``; but the last ``uncheckpointed`` (their
+    backward runs first, so their kept activations are freed before any checkpointed block recomputes)."""
+    if mode == "none":
+        return [False] * n_blocks
+    if mode == "selective" and option not in SELECTIVE_POLICIES:
+        return [position % int(option) == 0 for position in range(n_blocks)]
+    kept_from = n_blocks - min(uncheckpointed, n_blocks)
+    return [position < kept_from for position in range(n_blocks)]
+
+
+def apply_activation_checkpointing(model: KimiK3Model, mode: str, option: str, uncheckpointed: int = 0) -> None:
     """``mode`` none | full | selective; ``option`` "op", "mixers" or a block frequency N (checkpoint every
-    N-th)."""
+    N-th); the last ``uncheckpointed`` blocks of the stage without it (``checkpointed_blocks``)."""
     if mode == "none":
         return
     policy = SELECTIVE_POLICIES.get(option) if mode == "selective" else None
     if policy is not None:
         _ignore_profiler_ranges()
-    for position, (name, block) in enumerate(list(model.layers.items())):
-        if mode == "full":
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        elif policy is not None:
-            wrapped = checkpoint_wrapper(block, context_fn=policy, preserve_rng_state=False)
-        elif position % int(option) == 0:
-            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:
+    which = checkpointed_blocks(len(model.layers), mode, option, uncheckpointed)
+    for checkpointed, (name, block) in zip(which, list(model.layers.items())):
+        if not checkpointed:
             continue
+        if policy is not None:
+            wrapped = checkpoint_wrapper(block, context_fn=policy, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         model.layers[name] = wrapped

@@ -77,7 +77,7 @@ def _fake_group(size: int):
 
 def estimate_activations(args: KimiK3ModelArgs, *, kernels: ResolvedBackends, rows: int, seq_len: int, cp: int,
                          cp_layout: str, layer_range: tuple[int, int] | None = None, ac_mode: str = "none",
-                         ac_option: str = "op", ep: int = 1) -> dict[str, float]:
+                         ac_option: str = "op", ep: int = 1, uncheckpointed: int = 0) -> dict[str, float]:
     """GiB at the peak of one fwd + bwd of the part ``layer_range`` on one rank of ``cp`` (and of ``ep`` for the
     experts) running the backends ``kernels`` (``planned_backends`` of the job's ``[kernels]`` section):
     ``activations`` (saved tensors and temporaries, measured) and ``indexer_scores`` (the indexer's score chunk,
@@ -94,7 +94,7 @@ def estimate_activations(args: KimiK3ModelArgs, *, kernels: ResolvedBackends, ro
         with FakeTensorMode(allow_non_fake_inputs=True), plan_as_cuda(kernels):
             model = cast_model_dtype(KimiK3Model(args, layer_range=layer_range), torch.bfloat16)
             model.requires_grad_(True)  # MemTracker hooks every parameter; the frozen indexer gets no gradient
-            apply_activation_checkpointing(model, ac_mode, ac_option)
+            apply_activation_checkpointing(model, ac_mode, ac_option, uncheckpointed)
             if model.is_first:
                 inputs = (torch.zeros(rows, local, dtype=torch.long),)
             else:

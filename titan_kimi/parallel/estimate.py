@@ -41,7 +41,8 @@ def _activations(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, ranges) -> 
     for layer_range in ranges:
         est = estimate_activations(args, kernels=kernels, rows=rows, seq_len=cfg.training.seq_len, cp=layout.cp,
                                    cp_layout=layout.cp_layout, layer_range=layer_range, ac_mode=ac.mode,
-                                   ac_option=ac.selective_ac_option, ep=layout.ep)
+                                   ac_option=ac.selective_ac_option, ep=layout.ep,
+                                   uncheckpointed=ac.uncheckpointed_blocks)
         acts, scores = acts + est["activations"], max(scores, est["indexer_scores"])
     return acts, scores
 

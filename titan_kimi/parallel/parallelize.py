@@ -33,7 +33,8 @@ def _ac_and_compile(model: KimiK3Model, cfg, *, experts_outside: bool) -> None:
     set_routed_expert_gemm(model, precision)
     if experts_outside:  # the EP permutation pads the received rows for the GEMMs
         set_expert_row_alignment(row_alignment(precision))
-    apply_activation_checkpointing(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    ac = cfg.activation_checkpoint
+    apply_activation_checkpointing(model, ac.mode, ac.selective_ac_option, ac.uncheckpointed_blocks)
     if cfg.compile.mode != "none":
         if "model" in cfg.compile.components:
             apply_compile(model, cfg.compile.mode, fullgraph=cfg.compile.fullgraph, experts_outside=experts_outside,
