@@ -121,7 +121,10 @@ class RankSliceBench:
                 "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if self.device.type == "cuda" else None,
                 "config": cfg.job.config_file, "world_size": layout.world_size, "layout": layout.describe(),
                 "flavor": cfg.model.flavor, "vision": cfg.model.vision_flavor, "dtype": str(self.dtype),
-                "activation_checkpoint": f"{cfg.activation_checkpoint.mode}/{cfg.activation_checkpoint.selective_ac_option}",
+                "activation_checkpoint": (f"{cfg.activation_checkpoint.mode}/{cfg.activation_checkpoint.selective_ac_option}"
+                                          + (f", the last {cfg.activation_checkpoint.uncheckpointed_blocks} blocks "
+                                             "of a stage without" if cfg.activation_checkpoint.uncheckpointed_blocks
+                                             else "")),
                 "compile": f"{cfg.compile.mode}/{cfg.compile.granularity}", "kernels": {k: str(v) for k, v in self.resolved.items()},
                 "rows": self.rows_layout.describe(), "microbatch": f"{self.rows} x {self.seq_len} tokens",
                 "microbatches": self.n_microbatches, "loads": [l.describe() for l in self.loads],
@@ -345,13 +348,17 @@ class RankSliceBench:
             section = {"block": "layers", "vision": "vision", "head": "head"}.get(e.kind)
             if section is None:
                 continue
+            settings = measured_settings(self.cfg)
+            if e.kind == "block" and not e.checkpointed:  # a block the config leaves out of checkpointing
+                settings["checkpointing"] = "none"
             record = {"tokens": e.tokens, "rows": e.rows,
-                      "ac": ac if e.kind == "block" else 0.0, "load": e.load or "balanced", "padding": PADDING_SKIPPED,
+                      "ac": ac if e.checkpointed else 0.0, "load": e.load or "balanced", "padding": PADDING_SKIPPED,
                       # only decoder layers are checkpointed: the others' entries hold no checkpointing
-                      **{k: v for k, v in measured_settings(self.cfg).items()
-                         if e.kind == "block" or k != "checkpointing"},
+                      **{k: v for k, v in settings.items() if e.kind == "block" or k != "checkpointing"},
                       "forward_ms": e.forward_ms, "backward_ms": e.backward_ms, "forward_flops": e.flops.forward,
                       "backward_flops": e.flops.backward, "saved_gib": e.saved_gib, "peak_gib": e.peak_gib, **stamp}
+            if e.load:  # a MoE layer: how many routed experts its rows were spread over
+                record["local_experts"] = self.args.num_experts // self.layout.ep
             table = merge_entries(table, geometry, section, e.name if e.kind == "block" else e.kind, record,
                                   hardware=hardware, peak_flops=self.peak_flops)
             changed = True

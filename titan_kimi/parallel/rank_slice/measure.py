@@ -31,7 +31,7 @@ from titan_kimi.parallel.step_time.stage_work import layer_kind
 @dataclass
 class Entry:
     """One measured item: ``forward_ms`` / ``backward_ms`` medians, its FLOPs, memory above what was allocated
-    before it (``saved_gib`` held after the forward, ``peak_gib`` at its peak)."""
+    when its run started (``saved_gib`` held after the forward for the backward, ``peak_gib`` at its peak)."""
 
     name: str
     kind: str  # block | attention | ffn | vision | head | optimizer | stage
@@ -44,6 +44,7 @@ class Entry:
     note: str = ""
     load: str = ""  # the expert load of an MoE entry
     rows: str = ""  # the microbatch's row layout
+    checkpointed: bool = False  # a block item that ran under activation checkpointing
 
     def row(self, peak_flops: float) -> dict:
         out = asdict(self)
@@ -70,12 +71,16 @@ def _sequence(part, mb: Microbatch, max_causal_keys: int | None):
 
 
 def _timed(fn_forward, device, warmup: int, repeats: int) -> tuple[float, float, float | None, float | None]:
-    """(forward ms, backward ms, saved GiB, peak GiB) of ``fn_forward() -> (outputs, grads)`` then backward."""
+    """(forward ms, backward ms, saved GiB, peak GiB) of ``fn_forward() -> (outputs, grads)`` then backward. The
+    memory is the last run's above what was allocated when that run started: the parameters' gradients, held
+    from the first backward on, belong to the rank's states, not to the item's activations."""
     synchronize(device)
-    before = allocated(device)
     saved: list[int | None] = []
+    peaks: list[int | None] = []
 
     def step(watch):
+        reset_peak(device)
+        before = allocated(device)
         a = watch.mark()
         outs, grads = fn_forward()
         b = watch.mark()
@@ -84,12 +89,12 @@ def _timed(fn_forward, device, warmup: int, repeats: int) -> tuple[float, float,
         if any(o.requires_grad for o in outs):  # (a frozen module's output has no backward)
             torch.autograd.backward(outs, grads)
         c = watch.mark()
+        top = peak(device)
+        peaks.append(None if top is None else top - before)
         return [a, b, c]
 
-    reset_peak(device)
     fwd, bwd = median_phases(step, device, warmup, repeats)
-    top = peak(device)
-    return fwd, bwd, gib(saved[-1]), gib(None if top is None else top - before)
+    return fwd, bwd, gib(saved[-1]), gib(peaks[-1])
 
 
 def _random_like(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -118,6 +123,7 @@ class BlockJob:
     tokens: int
     load: str  # the expert load of an MoE item
     note: str
+    checkpointed: bool = False  # a block item wrapped for activation checkpointing
 
 
 def block_jobs(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: int | None,
@@ -141,6 +147,7 @@ def block_jobs(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: in
             if select is not None and not select(kind):
                 continue
             block = getattr(wrapped, "_checkpoint_wrapped_module", wrapped)
+            checkpointed = block is not wrapped
             moe_load = load.name if (load is not None and block.moe_enabled) else ""
             dtype = next(p.dtype for p in block.parameters() if p.dtype != torch.float32)
             hidden, bank, grad_h = _layer_inputs(args, layer, mb, dtype, device, generator)
@@ -174,7 +181,7 @@ def block_jobs(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: in
                     continue
                 seen.add(label)
                 note = load.describe() if entry_load else ""
-                yield BlockJob(label, item, run, flops, mb.tokens, entry_load, note)
+                yield BlockJob(label, item, run, flops, mb.tokens, entry_load, note, item == BLOCK and checkpointed)
 
 
 def measure_blocks(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: int | None, warmup: int,
@@ -186,7 +193,8 @@ def measure_blocks(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys
     for job in block_jobs(rs, mbs, max_causal_keys=max_causal_keys, generator=generator, device=device, what=what,
                           select=select):
         fwd, bwd, saved, top = _timed(job.run, device, warmup, repeats)
-        entries.append(Entry(job.label, job.item, job.tokens, fwd, bwd, job.flops(), saved, top, job.note, job.load))
+        entries.append(Entry(job.label, job.item, job.tokens, fwd, bwd, job.flops(), saved, top, job.note, job.load,
+                             checkpointed=job.checkpointed))
     return entries
 
 
