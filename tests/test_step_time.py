@@ -215,7 +215,60 @@ def test_mixers_checkpointing_holds_the_token_mixers_outputs_per_microbatch_in_f
     assert kept > 0 and mixers.step_s == full.step_s
     assert (mixers.memory_gib - full.memory_gib) * 2**30 == pytest.approx(kept)
     out = run_main(capsys, *STEP_TIME, "--activation_checkpoint.mode", "selective")
-    assert "activations are modelled for full and mixers checkpointing only" in out
+    assert "activation checkpointing selective/op: its kept outputs are not modelled" in out
+
+
+def test_blocks_out_of_checkpointing_skip_their_recompute_and_hold_what_they_measured():
+    """``activation_checkpoint.uncheckpointed_blocks = 2``: the stage's last two layers lose their recomputed
+    forward (1 ms each here) and their repeated expert exchanges, and hold the activations their entries measured
+    without checkpointing; the backward meets them first, so their backward's transient and the checkpointed
+    layers' recompute (after the two have freed theirs) are the two candidates for the peak."""
+    import dataclasses
+    from pathlib import Path
+
+    from titan_kimi.config.loader import load_job_config
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.parallel.layout import resolve_layout
+    from titan_kimi.parallel.step_time.describe import settings_from_config
+    from titan_kimi.parallel.step_time.estimate import StepTimeModel
+    from titan_kimi.parallel.step_time.table import geometry_key
+
+    args = model_args_for("k31_debug")
+
+    def config(*extra):
+        return load_job_config([*STEP_TIME, "--parallelism.pipeline_parallel_degree", "1",
+                                "--training.global_batch_size", "32", *extra], environ={"WORLD_SIZE": "8"})
+
+    cfg = config()
+    layout = resolve_layout(cfg, 8, args)
+    base = StepTimeModel(cfg, args, None, settings_from_config(cfg))
+    work = base.works(layout, cfg.training.local_batch_size)[0]
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    layers, flops = {}, {}
+    for _, kind, f in work.layers:  # each kind's entries run 1 ms per forward and 2 ms per backward of its FLOPs
+        flops[kind] = f
+        common = {"tokens": tokens, "rows": "r", "load": "balanced", "forward_ms": 1.0,
+                  "forward_flops": f.forward, "backward_flops": f.backward}
+        layers[kind] = [{**common, "ac": 1.0, "backward_ms": 3.0, "saved_gib": 0.01, "peak_gib": 0.5},
+                        {**common, "ac": 0.0, "checkpointing": "none", "backward_ms": 2.0, "saved_gib": 0.2,
+                         "peak_gib": 0.4}]
+    table = Table({"format": 1, "geometries": {geometry_key(args): {"layers": layers}}}, Path("t.json"))
+
+    def estimate(*extra, table=table):
+        c = config(*extra)
+        return StepTimeModel(c, args, None, dataclasses.replace(settings_from_config(c), table=table)).estimate(
+            resolve_layout(c, 8, args))
+
+    full, kept = estimate(), estimate("--activation_checkpoint.uncheckpointed_blocks", "2")
+    assert full.terms["compute"] - kept.terms["compute"] == pytest.approx(2e-3, rel=1e-6)
+    moe_kept = sum(args.is_moe_layer(layer) for layer, _, _ in work.layers[-2:])
+    assert moe_kept and kept.terms["EP all-to-all"] < full.terms["EP all-to-all"]
+    # + 2 x 0.2 GiB held; the peak's transient: max(0.4 - 0.2, (0.5 - 0.01) - 0.4) against 0.49
+    assert kept.memory_gib - full.memory_gib == pytest.approx(0.4 + 0.2 - 0.49)
+    without = Table({"format": 1, "geometries": {geometry_key(args): {"layers": {
+        k: rows[:1] for k, rows in layers.items()}}}}, Path("t.json"))
+    missing = estimate("--activation_checkpoint.uncheckpointed_blocks", "2", table=without)
+    assert missing.memory_gib is None and "--activation_checkpoint.mode none" in missing.memory_note
 
 
 def test_trimmed_rows_run_at_their_real_length_and_memory_stays_sized_for_whole_rows():
@@ -269,11 +322,17 @@ def test_a_layers_transient_scales_from_the_measurements_nearest_in_tokens():
                         {"tokens": 4096, "ac": 0.0, "peak_gib": 50.0}],
             "dsa+moe": [{"tokens": 4096, "ac": 1.0, "peak_gib": 12.0}]}
     table = Table({"format": 1, "geometries": {"g": {"layers": rows}}}, Path("t.json"))
-    fake = SimpleNamespace(s=SimpleNamespace(table=table), geometry="g", ac=1.0)
-    assert StepTimeModel._transient(fake, 4096) == 12.0
-    assert StepTimeModel._transient(fake, 3072) == 9.0  # nearer 4,096 than 1,152 on log tokens
-    assert StepTimeModel._transient(fake, 1152) == 4.0
-    assert StepTimeModel._transient(SimpleNamespace(s=fake.s, geometry="other", ac=1.0), 4096) is None
+    fake = SimpleNamespace(s=SimpleNamespace(table=table), geometry="g")
+    assert StepTimeModel._transient(fake, 4096, 1.0) == 12.0
+    assert StepTimeModel._transient(fake, 3072, 1.0) == 9.0  # nearer 4,096 than 1,152 on log tokens
+    assert StepTimeModel._transient(fake, 1152, 1.0) == 4.0
+    assert StepTimeModel._transient(fake, 4096, 0.0) == 50.0  # the entries without checkpointing
+    assert StepTimeModel._transient(SimpleNamespace(s=fake.s, geometry="other"), 4096, 1.0) is None
+    # what the forward left (its output; in older entries also the layer's gradients) is not transient
+    rows["kda+moe"][0]["saved_gib"] = 1.5
+    assert StepTimeModel._transient(fake, 4096, 1.0) == 12.0
+    rows["dsa+moe"][0]["saved_gib"] = 4.0
+    assert StepTimeModel._transient(fake, 4096, 1.0) == 8.5
 
 
 def test_the_busiest_nic_bounds_the_step_when_compute_hides_the_gathers(capsys):

@@ -75,6 +75,42 @@ def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) 
             f"layout's step){caveat}"]
 
 
+def most_uncheckpointed(model: StepTimeModel, e: StepEstimate, limit: float) -> tuple[int, StepEstimate] | None:
+    """The most blocks per stage ``activation_checkpoint.uncheckpointed_blocks`` can take out of checkpointing
+    with layout ``e`` still fitting in ``limit`` GiB, and that estimate; None where none fits (or the memory
+    of blocks out of checkpointing is unknown: the table measured none)."""
+    cfg = e.config
+    ac = cfg.activation_checkpoint
+    if ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option not in ("op", "mixers")):
+        return None
+    plan = e.layout.pipeline
+    most = max(b - a for a, b in plan.ranges) if plan is not None else model.args.n_layers
+
+    def at(k: int) -> StepEstimate:
+        c = copy.copy(cfg)
+        c.activation_checkpoint = dataclasses.replace(ac, uncheckpointed_blocks=k)
+        return model.with_config(c).estimate(e.layout)
+
+    best, low, high = None, ac.uncheckpointed_blocks + 1, most  # memory grows with the blocks kept
+    while low <= high:
+        mid = (low + high) // 2
+        got = at(mid)
+        if fits(got, limit):
+            best, low = (mid, got), mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
+def _uncheckpointed_line(model: StepTimeModel, e: StepEstimate, limit: float, what: str) -> list[str]:
+    found = most_uncheckpointed(model, e, limit)
+    if found is None:
+        return []
+    k, kept = found
+    return [f"{what} with --activation_checkpoint.uncheckpointed_blocks {k} (the most that fit): {line(kept, limit)} "
+            f"({e.step_s / kept.step_s:.2f}x its step)"]
+
+
 def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
     s = settings_from_config(cfg)
     model = StepTimeModel(cfg, args, vision, s)
@@ -96,6 +132,7 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
                 lines.append(f"step time with {schedule}: not a valid layout ({str(err).split(';')[0]})")
                 continue
             lines.append(f"step time with {schedule}: {line(model.with_config(c).estimate(other), s.memory_gib)}")
+    lines += _uncheckpointed_line(model, probe, s.memory_gib, "step time of the configured layout")
     lines += _trimmed_rows(cfg, model, probe, s.memory_gib)
     t = cfg.training
     recipe_batch = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * layout.dp
@@ -120,6 +157,7 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
             lines.append(f"recommended for {gpus} GPUs: {short(best)} ({best.tokens_per_s_per_gpu:,.0f} "
                          f"tokens/s/GPU, MFU {best.mfu:.1%}"
                          + (f", {gain:+.0%} against the configured layout)" if gpus == layout.world_size else ")"))
+            lines += _uncheckpointed_line(model, best, s.memory_gib, f"  the recommended layout for {gpus} GPUs")
         else:
             lines.append(f"recommended for {gpus} GPUs: none fits in {s.memory_gib:g} GiB")
     return lines

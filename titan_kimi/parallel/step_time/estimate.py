@@ -22,7 +22,8 @@ What runs where (torchtitan 0.2.2 + torch.distributed.pipelining as this project
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from lowerings.ops.sequence_shards import parts_per_rank
 from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
@@ -30,7 +31,7 @@ from titan_kimi.data.trim import padded_length, real_length
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.layer_flops import LayerFlops, row_segments
-from titan_kimi.parallel.activation_checkpoint import saves_expert_exchanges
+from titan_kimi.parallel.activation_checkpoint import checkpointed_blocks, saves_expert_exchanges
 from titan_kimi.parallel.fsdp import reshard_after_forward
 from titan_kimi.parallel.layout import ParallelLayout
 from titan_kimi.parallel.pipeline_plan import PipelinePlan
@@ -73,6 +74,7 @@ class StepEstimate:
     memory_note: str
     compute_source: str  # "measured (<table>)" or the fallback's description
     fsdp: str = ""  # how FSDP handles the gathered weights when it is not the default
+    config: Any = field(default=None, repr=False)  # the job config estimated
 
     @property
     def dominant(self) -> str:
@@ -92,8 +94,8 @@ class StepTimeModel:
         self._counts = {} if counts is None else counts  # per layer range, shared by with_config
         self.geometry = geometry_key(args)
         ac = cfg.activation_checkpoint
-        self.ac = ac_share(ac.mode, ac.selective_ac_option)
-        # the share of the expert exchanges a recomputed forward repeats
+        self.ac = ac_share(ac.mode, ac.selective_ac_option)  # forwards a checkpointed block recomputes
+        # the share of the expert exchanges a checkpointed block's recomputed forward repeats
         self.ep_ac = 0.0 if saves_expert_exchanges(ac.mode, ac.selective_ac_option) else self.ac
         spec = cfg.step_time.rows or DEFAULT_ROWS[cfg.data.dataset]
         try:
@@ -109,6 +111,12 @@ class StepTimeModel:
         # padding tokens skip the routed experts: only real tokens' rows are exchanged and computed
         self.real_fraction = float((row[:self.row_len] != 0).float().mean())
         self.dtype = compute_dtype(cfg)
+
+    def checkpointed(self, layer_range: tuple[int, int]) -> list[bool]:
+        """Which layers of the stage holding ``layer_range`` run under checkpointing, in order."""
+        ac = self.cfg.activation_checkpoint
+        return checkpointed_blocks(layer_range[1] - layer_range[0], ac.mode, ac.selective_ac_option,
+                                   ac.uncheckpointed_blocks)
 
     def with_config(self, cfg) -> "StepTimeModel":
         """The same recipe under another layout's config (the parameter counts are shared)."""
@@ -187,19 +195,23 @@ class StepTimeModel:
         fwd = b_in = b_w = 0.0
         notes: list[str] = []
         _, load = self.load_factor(ep)
+        local_experts = self.args.num_experts // ep
 
         settings = measured_settings(self.cfg)
+        uncheckpointed = {**settings, "checkpointing": "none"}
 
         def lookup(section: str, kind: str, t: int, flops: LayerFlops, ac: float, with_padding: LayerFlops):
             # the CP ranks share a microbatch's work evenly (zigzag), except the vision tower: each runs it whole
             share = 1.0 if section == "vision" else 1.0 / cp
             f, fp = _scaled(flops, share), _scaled(with_padding, share)
+            under = settings if ac else uncheckpointed
             got = self.s.table.time_ms(self.geometry, section, kind, t, f.forward, f.backward, ac, load,
-                                       settings, padded_flops=(fp.forward, fp.backward))
+                                       under, padded_flops=(fp.forward, fp.backward), local_experts=local_experts)
             inner = without_block_start(kind)
             if got is None and inner is not None:  # a block start never measured: its kind's rates
                 got = self.s.table.time_ms(self.geometry, section, inner, t, f.forward, f.backward, ac, load,
-                                           settings, padded_flops=(fp.forward, fp.backward))
+                                           under, padded_flops=(fp.forward, fp.backward),
+                                           local_experts=local_experts)
             if got is None:
                 rate = self.s.fallback_mfu * self.s.peak_flops
                 got = (f.forward / rate * 1e3, f.backward / rate * 1e3 + ac * f.forward / rate * 1e3)
@@ -209,8 +221,10 @@ class StepTimeModel:
             return got[0] / 1e3, (got[1] - weight_share * own) / 1e3, weight_share * own / 1e3
 
         padded = padded or work
-        parts = [("layers", kind, tokens, flops, self.ac, with_padding)
-                 for (_, kind, flops), (_, _, with_padding) in zip(work.layers, padded.layers)]
+        first = work.layers[0][0] if work.layers else 0
+        kept = self.checkpointed((first, first + len(work.layers)))
+        parts = [("layers", kind, tokens, flops, self.ac if checkpointed else 0.0, with_padding)
+                 for (_, kind, flops), (_, _, with_padding), checkpointed in zip(work.layers, padded.layers, kept)]
         if work.vision.total:
             t, h, w = self._grids()[0]
             parts.append(("vision", "vision", t * h * w, work.vision, 0.0, work.vision))
@@ -251,13 +265,14 @@ class StepTimeModel:
             leg, leg_backward = one, False
         rows = layout.microbatch_size if layout.pipeline is not None else self.cfg.training.local_batch_size
         whole = rows * self.row_len  # the CP group's tokens
-        for layer in range(*layer_range):
+        for layer, checkpointed in zip(range(*layer_range), self.checkpointed(layer_range)):
+            ac, ep_ac = (self.ac, self.ep_ac) if checkpointed else (0.0, 0.0)
             if a.is_moe_layer(layer) and layout.ep > 1:
                 hide_f, hide_b = self._beside_shared_experts(layer, tokens, leg, leg_backward)
                 fwd += 2 * one - hide_f
-                bwd += (2 + 2 * self.ep_ac) * one - hide_b - self.ep_ac * hide_f
-                ep_total += (4 + 2 * self.ep_ac) * one - (1 + self.ep_ac) * hide_f - hide_b
-                nic += (4 + 2 * self.ep_ac) * one_nic
+                bwd += (2 + 2 * ep_ac) * one - hide_b - ep_ac * hide_f
+                ep_total += (4 + 2 * ep_ac) * one - (1 + ep_ac) * hide_f - hide_b
+                nic += (4 + 2 * ep_ac) * one_nic
             if layout.cp > 1:
                 if a.is_kda_layer(layer):
                     state = rows * a.kda_num_heads * a.kda_head_dim * a.kda_head_dim * 4 * 2 * layout.cp
@@ -268,8 +283,8 @@ class StepTimeModel:
                     x = net.ring(latent_cp, layout.cp) + net.ring(keys, layout.cp)
                     x_nic = net.nic_ring(latent_cp, layout.cp) + net.nic_ring(keys, layout.cp)
                 fwd += x
-                bwd += x * (1 + self.ac)
-                nic += x_nic * (2 + self.ac)
+                bwd += x * (1 + ac)
+                nic += x_nic * (2 + ac)
         return fwd, bwd, ep_total, nic
 
     def _beside_shared_experts(self, layer: int, tokens: int, leg: float, backward: bool) -> tuple[float, float]:
@@ -412,7 +427,7 @@ class StepTimeModel:
                                      if plan is not None and p.pipeline_gradient_sync == "microbatch" else "") if x)
         return StepEstimate(layout, step, terms, step_tokens / step / layout.world_size,
                             step_flops / step / layout.world_size / self.s.peak_flops, memory, memory_note, source,
-                            fsdp)
+                            fsdp, cfg)
 
     def _fsdp_units(self, layout: ParallelLayout, c: StageParams, layers: int, wbytes: int,
                     reduce_bytes: int) -> list[tuple[float, float, int, int]]:
@@ -438,10 +453,15 @@ class StepTimeModel:
     def _memory(self, layout: ParallelLayout, plan: PipelinePlan, n_micro: int, counts: dict[int, StageParams],
                 tokens: int, works: dict[int, StageWork]) -> tuple[float | None, str]:
         """The fullest rank's GiB: its parameters' bytes (``stage_params.rank_bytes``) + the activations its
-        schedule holds (full checkpointing: each layer's inputs and the block banks per microbatch in flight;
-        ``mixers`` also the token mixers' outputs, ``kept_outputs``) + the largest measured transient of one
-        layer's recompute and backward."""
+        schedule holds per microbatch in flight (each layer's input and the block banks; a checkpointed layer
+        under ``mixers`` also its token mixer's outputs, ``kept_outputs``; a layer out of checkpointing what it
+        holds after its forward, measured) + the largest measured transient of one layer's recompute or
+        backward."""
         a, cfg = self.args, self.cfg
+        mode = checkpointing(cfg)
+        if mode == "selective/op":
+            return None, ("activation checkpointing selective/op: its kept outputs are not modelled (use "
+                          "job.estimate_activations)")
         orders = rank_orders(plan, n_micro) if plan.pp > 1 else {0: []}
         worst, note = 0.0, ""
         holding = holding_from_config(cfg, layout)
@@ -450,22 +470,36 @@ class StepTimeModel:
             held = sum(rank_bytes(counts[s], fsdp=layout.fsdp, efsdp=layout.efsdp, holding=holding).total
                        for s in stages)
             flight = peak_in_flight(orders[r]) if plan.pp > 1 else {stages[0]: 1}
-            acts = 0.0
+            acts, kept_one, recomputes = 0.0, 0.0, {}  # kinds by the forwards they recompute
             for s in stages:
                 first, last = plan.ranges[s]
-                if checkpointing(cfg) not in ("full", "selective/mixers"):
-                    return None, (f"activation checkpointing {checkpointing(cfg)}: activations are modelled for "
-                                  "full and mixers checkpointing only (use job.estimate_activations)")
                 block = a.attn_res_block_size
                 banks = sum((l // block) for l in range(first, last) if block and l % block == 0)
                 per_micro = tokens * a.dim * 2 * ((last - first) + 1 + banks)
-                if checkpointing(cfg) == "selective/mixers":
-                    # per row under CP: the KDA op keeps the incoming state of each of the rank's sequence parts
-                    rows = tokens * layout.cp // cfg.training.seq_len
-                    parts = rows * parts_per_rank(layout.cp_layout) if layout.cp > 1 else 0
-                    per_micro += sum(kept_bytes(a, kind, tokens, state_parts=parts) for _, kind, _ in works[s].layers)
-                acts += flight.get(s, 1) * per_micro
-            transient = self._transient(tokens)
+                kept = 0.0
+                # per row under CP: the KDA op keeps the incoming state of each of the rank's sequence parts
+                rows = tokens * layout.cp // cfg.training.seq_len
+                parts = rows * parts_per_rank(layout.cp_layout) if layout.cp > 1 else 0
+                for (_, kind, _), checkpointed in zip(works[s].layers, self.checkpointed((first, last))):
+                    recomputes.setdefault(self.ac if checkpointed else 0.0, set()).add(kind)
+                    if checkpointed and mode == "selective/mixers":
+                        per_micro += kept_bytes(a, kind, tokens, state_parts=parts)
+                    elif not checkpointed:
+                        saved = self.s.table.saved_gib(self.geometry, kind, tokens, self.cfg.compile.mode,
+                                                       a.num_experts // layout.ep)
+                        if saved is None:
+                            return None, (f"the table ({self.s.table.path.name}) holds no {kind} layer measured "
+                                          "without checkpointing: scripts/bench/rank_slice.py with "
+                                          "--activation_checkpoint.mode none measures what it holds")
+                        kept += saved * 2**30
+                acts += flight.get(s, 1) * (per_micro + kept)
+                kept_one = max(kept_one, kept)
+            # The backward meets the kept layers first (each stage's last): their backward's temporaries come
+            # while every kept activation is held; a checkpointed layer recomputes after the microbatch's own
+            # kept layers have freed theirs.
+            phases = [self._transient(tokens, ac, recomputes[ac]) for ac in sorted(recomputes)]
+            transient = None if any(p is None for p in phases) else max(
+                (p - (kept_one / 2**30 if ac else 0.0) for ac, p in zip(sorted(recomputes), phases)), default=0.0)
             total = (held + acts) / 2**30 + (transient or 0.0)
             if total > worst:
                 worst = total
@@ -473,15 +507,21 @@ class StepTimeModel:
                         "without a measured table the transient of a layer's recompute is not counted")
         return worst, note
 
-    def _transient(self, tokens: int) -> float | None:
-        """GiB above the saved activations while one layer recomputes and runs its backward: the largest
-        measured peak of a block under this checkpointing, scaled to ``tokens`` from the measurements at the
-        nearest token count (a peak also holds parts that do not grow with the tokens: scaled far, it overstates)."""
-        peaks = [(r["tokens"], r["peak_gib"] * tokens / r["tokens"])
-                 for rows in self.s.table.raw(self.geometry, "layers").values() for r in rows
-                 if r.get("peak_gib") is not None and r.get("tokens") and r.get("ac") == self.ac]
+    def _transient(self, tokens: int, ac: float, kinds: set[str] | None = None) -> float | None:
+        """GiB above what the forwards left while one layer of ``kinds`` (recomputing ``ac`` forwards) runs its
+        backward: the largest measured peak of such a block so checkpointed, less what its forward held, scaled to
+        ``tokens`` from the measurements at the nearest token count (a peak also holds parts that do not grow
+        with the tokens: scaled far, it overstates). Kinds the table lacks (a block start: its kind's), or
+        lacks so checkpointed, leave every measured kind to choose from."""
+        raw = self.s.table.raw(self.geometry, "layers")
+        names = None if kinds is None else {k if k in raw else without_block_start(k) for k in kinds}
+        if names is not None and not names <= raw.keys():
+            names = None
+        peaks = [(r["tokens"], (r["peak_gib"] - (r.get("saved_gib") or 0.0)) * tokens / r["tokens"])
+                 for kind, rows in raw.items() if names is None or kind in names for r in rows
+                 if r.get("peak_gib") is not None and r.get("tokens") and r.get("ac") == ac]
         if not peaks:
-            return None
+            return None if names is None else self._transient(tokens, ac)
         nearest = min({t for t, _ in peaks}, key=lambda t: abs(math.log(t / tokens)))
         return max(p for t, p in peaks if t == nearest)
 

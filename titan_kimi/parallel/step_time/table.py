@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
+from titan_kimi.parallel.step_time.stage_work import without_block_start
 
 SHIPPED_TABLE = Path(__file__).resolve().parent.parent / "step_time_h200.json"
 FORMAT = 1
@@ -41,12 +42,11 @@ def geometry_key(args: KimiK3ModelArgs) -> str:
 
 
 def ac_share(mode: str, option: str = "op") -> float:
-    """Forwards recomputed in the backward by activation-checkpointing ``mode`` (every N-th block: 1/N; mixers:
-    one, less the token mixers, which only its own measured entries time)."""
-    if mode == "selective" and option == "mixers":
-        return 1.0
+    """Forwards a block under activation-checkpointing ``mode`` recomputes in its backward (a checkpointed one
+    of every N-th: one; mixers: one, less the token mixers, which only its own measured entries time); which
+    blocks are checkpointed is ``activation_checkpoint.checkpointed_blocks``."""
     if mode == "selective" and option != "op":
-        return 1.0 / int(option)
+        return 1.0
     return RECOMPUTE_SHARE[mode]
 
 
@@ -88,6 +88,7 @@ class Measured:
     expert_gemm: str = "default"  # the training.routed_expert_gemm it was measured under
     checkpointing: str = "full"  # the activation checkpointing it was measured under (``checkpointing``)
     padding: str = PADDING_ROUTED  # whether its padding tokens ran the routed experts
+    local_experts: int = 0  # the routed experts of its rank (a MoE layer's; 0: not recorded)
 
     @property
     def forward_rate(self) -> float:
@@ -135,7 +136,7 @@ class Table:
         rows = self.raw(geometry, section).get(kind, [])
         return [Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"],
                          r["ac"], r["load"], **{k: r.get(k, default) for k, (_, default) in MEASURED_UNDER.items()},
-                         padding=r.get("padding", PADDING_ROUTED))
+                         padding=r.get("padding", PADDING_ROUTED), local_experts=r.get("local_experts", 0))
                 for r in rows]
 
     def measured_under(self, geometry: str, key: str) -> set[str]:
@@ -147,13 +148,15 @@ class Table:
     def time_ms(self, geometry: str, section: str, kind: str, tokens: int, forward_flops: float,
                 backward_flops: float, ac: float, load: str = "balanced",
                 settings: Mapping[str, str] | None = None,
-                padded_flops: tuple[float, float] | None = None) -> tuple[float, float] | None:
+                padded_flops: tuple[float, float] | None = None,
+                local_experts: int = 0) -> tuple[float, float] | None:
         """(forward ms, backward ms incl. ``ac`` recomputed forwards) of ``kind`` at ``tokens`` with these
         FLOPs, from the rates measured nearest in tokens under ``settings`` (``measured_settings``; missing ones
         at their defaults: the entries matching all of them, else the first ones of MEASURED_UNDER, else any) and
         load ``load`` (else balanced); None if the kind was never measured for this geometry. Entries measured
         with the padding skipping the routed experts come first; entries measured with it routed time
-        ``padded_flops`` (the same work with the padding's expert rows, when given) instead."""
+        ``padded_flops`` (the same work with the padding's expert rows, when given) instead. Entries of a rank
+        holding ``local_experts`` routed experts come first (the same rows over more experts: smaller GEMMs)."""
         wanted = [(k, (settings or {}).get(k, default)) for k, (_, default) in MEASURED_UNDER.items()
                   if section == "layers" or k != "checkpointing"]  # only decoder layers are checkpointed
         job_checkpointing = dict(wanted).get("checkpointing")
@@ -168,6 +171,7 @@ class Table:
         chosen = [m for m in found if m.load == load] or [m for m in found if m.load == "balanced"] or found
         if not chosen:
             return None
+        chosen = [m for m in chosen if m.local_experts == local_experts] or chosen
         skipped = [m for m in chosen if m.padding == PADDING_SKIPPED]
         if skipped:
             chosen = skipped
@@ -178,6 +182,23 @@ class Table:
         fwd = forward_flops / fwd_rate if fwd_rate else 0.0
         bwd = backward_flops / bwd_rate if bwd_rate else 0.0
         return fwd, bwd + ac * fwd
+
+    def saved_gib(self, geometry: str, kind: str, tokens: int, compile_mode: str,
+                  local_experts: int = 0) -> float | None:
+        """GiB a ``kind`` layer out of activation checkpointing holds after its forward for its backward, at
+        ``tokens`` (scaled in proportion from the nearest measured token count; measured under ``compile_mode``
+        where the table has that, since Inductor decides what a compiled forward keeps; with ``local_experts``
+        routed experts on the rank where it has that); a block start never measured takes its kind's. None if the
+        table has no such measurement."""
+        for name in (kind, *(k for k in [without_block_start(kind)] if k)):
+            rows = [r for r in self.raw(geometry, "layers").get(name, [])
+                    if r.get("checkpointing") == "none" and r.get("saved_gib") is not None and r.get("tokens")]
+            rows = [r for r in rows if r.get("compile", "none") == compile_mode] or rows
+            rows = [r for r in rows if r.get("local_experts", 0) == local_experts] or rows
+            if rows:
+                nearest = min({r["tokens"] for r in rows}, key=lambda t: abs(math.log(t / tokens)))
+                return max(r["saved_gib"] for r in rows if r["tokens"] == nearest) * tokens / nearest
+        return None
 
     def value(self, *keys: str) -> Any:
         node: Any = self.data or {}
@@ -215,7 +236,7 @@ def merge_entries(table: dict[str, Any] | None, geometry: str, section: str, kin
 
     def key(e: dict[str, Any]) -> tuple:
         return (*(e.get(k, defaults.get(k)) for k in ("tokens", "ac", "load", "rows", *MEASURED_UNDER)),
-                e.get("padding", PADDING_ROUTED))
+                e.get("padding", PADDING_ROUTED), e.get("local_experts", 0))
 
     kinds[kind] = [e for e in kinds.get(kind, []) if key(e) != key(entry)] + [entry]
     return out
