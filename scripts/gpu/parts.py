@@ -431,6 +431,30 @@ def rank_slice_k31_checkpointing(r: Runner, folder: Path) -> None:
                    timeout=580)
 
 
+NO_PP_EP128 = ("--max-layers", "4", "--loads", "balanced", "--compile.mode", "default",
+               "--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_gradient_sync", "step",
+               "--parallelism.expert_parallel_degree", "128", "--parallelism.expert_parallel_dispatch", "hierarchical",
+               "--training.local_batch_size", "1")
+
+
+def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
+    # The layout the estimate recommends for k31.toml at 256 GPUs (FSDP 256 x EP128 hierarchical, no PP), its
+    # first 4 layers compiled, under full, none and mixers checkpointing, each one's entries merged into a copy of
+    # the shipped table (the estimate reads them for blocks out of checkpointing and for mixers jobs), and full's
+    # kernel profile (where a layer's time goes beside its GEMMs).
+    folder.mkdir(parents=True, exist_ok=True)
+    table = folder / "step_time_h200.json"
+    shutil.copy(ROOT / "titan_kimi/parallel/step_time_h200.json", table)
+    for name, extra in (("full", ("--parts", "layers", "profile")),
+                        ("none", ("--activation_checkpoint.mode", "none", "--parts", "layers")),
+                        ("mixers", ("--activation_checkpoint.mode", "selective", "--activation_checkpoint."
+                                    "selective_ac_option", "mixers", "--parts", "layers"))):
+        (folder / name).mkdir(exist_ok=True)
+        checked_script(r, folder / name, "rank_slice", "scripts/bench/rank_slice.py", "--config",
+                       "train_configs/k31.toml", "--world-size", "256", *NO_PP_EP128, "--table", str(table), *extra,
+                       timeout=300)
+
+
 def rank_slice_hellaswag(r: Runner, folder: Path) -> None:
     # As shipped the recipe's stage needs ~233 GiB (docs/perf.md): the stage part runs it with the FSDP handling
     # that fits an H200 (k31.toml ships the same two settings).
@@ -528,6 +552,10 @@ def single_gpu_parts() -> list[Part]:
                                         "the compiled entries into the step-time table", rank_slice_k31_compiled),
         Part("rank_slice_k31_fp8", "k31.toml's stage 0 compiled, bf16 against FP8 routed-expert GEMMs at full "
                                    "width: per layer kind, profiles, the schedule", rank_slice_k31_fp8),
+        Part("rank_slice_k31_no_pp", "the layout the estimate recommends for k31.toml at 256 GPUs (no PP, "
+                                     "EP128 hierarchical), 4 layers compiled under full, none and mixers "
+                                     "checkpointing into a copy of the step-time table, with full's profile",
+             rank_slice_k31_no_pp),
         Part("rank_slice_k31_checkpointing", "k31.toml's stage 0 compiled, full checkpointing against mixers "
                                              "(the token mixers' outputs kept): per layer kind, the schedule and "
                                              "its peak", rank_slice_k31_checkpointing),

@@ -222,9 +222,9 @@ class StepTimeModel:
 
         padded = padded or work
         first = work.layers[0][0] if work.layers else 0
-        kept = self.checkpointed((first, first + len(work.layers)))
+        which = self.checkpointed((first, first + len(work.layers)))
         parts = [("layers", kind, tokens, flops, self.ac if checkpointed else 0.0, with_padding)
-                 for (_, kind, flops), (_, _, with_padding), checkpointed in zip(work.layers, padded.layers, kept)]
+                 for (_, kind, flops), (_, _, with_padding), checkpointed in zip(work.layers, padded.layers, which)]
         if work.vision.total:
             t, h, w = self._grids()[0]
             parts.append(("vision", "vision", t * h * w, work.vision, 0.0, work.vision))
