@@ -53,13 +53,14 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         # [T, k]; an unrouted choice (-1: a padding token's) goes to the column past the last node, dropped
         node_of = torch.where(indices >= 0, indices // per_node, nodes)
         hit = torch.zeros(tokens, nodes + 1, dtype=torch.bool, device=z.device).scatter_(1, node_of, True)[:, :nodes]
-        pair_node, pair_token = hit.t().nonzero(as_tuple=True)  # (token, node) pairs, grouped by node
-        on_node = node_of[pair_token] == pair_node.unsqueeze(1)  # [P, k]: which of the token's choices are there
-        experts = torch.where(on_node, indices[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
-        pair_weights = torch.where(on_node, weights[pair_token], 0.0)
         send = hit.sum(0)
         group = self.across.get_group()
         send_splits, recv_splits = torch.stack([send, _exchange(send, group)]).tolist()  # one host sync
+        # (token, node) pairs, grouped by node; their number is known from the splits: no second sync
+        pair_node, pair_token = torch.nonzero_static(hit.t(), size=sum(send_splits)).unbind(1)
+        on_node = node_of[pair_token] == pair_node.unsqueeze(1)  # [P, k]: which of the token's choices are there
+        experts = torch.where(on_node, indices[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
+        pair_weights = torch.where(on_node, weights[pair_token], 0.0)
         # The weights and ids go first, unwaited: nothing waits before the shared experts are queued beside the
         # rows, so they overlap all three exchanges. The weights' backward waits as soon as it runs; created
         # before the rows' exchange, it runs once the rows' gradients are back, out of the shared experts'
