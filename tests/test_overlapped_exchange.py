@@ -200,6 +200,45 @@ def test_expert_parallel_routes_skip_padding_tokens_as_the_local_layer_does(one_
     assert sent == ([] if dispatch == "flat" else [int(is_real.sum())])
 
 
+@pytest.mark.parametrize("dispatch, reads", [("flat", 1), ("hierarchical", 2)])
+def test_each_dispatch_level_reads_the_device_once(one_rank_group, dispatch, reads):
+    """A MoE forward with padding tokens reads values back from the device once per dispatch level, for its
+    splits: the routed count (the flat dispatch) and the (token, node) pairs' and the relay's present choices'
+    numbers (the hierarchical one) come from those splits. (On CPU torchtitan's permutation indices are built in
+    Python with ``item``; on a GPU a kernel builds them: not counted.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.overrides import TorchFunctionMode
+
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+    from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, shard_flat
+
+    class DeviceReads(TorchFunctionMode):
+        names = ("tolist", "__int__", "__bool__", "__index__", "__float__", "nonzero")
+
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in self.names:
+                self.calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(5)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    if dispatch == "flat":
+        _permutation_on_any_device()
+        shard_flat(moe.experts, init_device_mesh("cpu", (1,)))
+    else:
+        dispatch_by_node_on_one_rank(moe, "cpu")
+    is_real = torch.tensor([[True] * 6 + [False] * 3, [True] * 2 + [False] * 7]).view(-1)
+    with DeviceReads() as counted:
+        moe(torch.randn(2, 9, 128), is_real)
+    assert counted.calls == ["tolist"] * reads
+
+
 def _previous_forward(moe, x: torch.Tensor) -> torch.Tensor:
     """LatentMoE's forward as it was before the seam: routed path, norm, up projection, then the shared experts
     added."""

@@ -14,7 +14,8 @@ routed path runs in two levels:
    and that one row per (token, node) crosses back; the token's rank sums its nodes' rows in fp32.
 
 The MoE's shared experts run while the rows cross nodes (``overlapped_exchange``), and their backward while the
-rows' gradients cross back. Forward and gradients equal the flat dispatch's up to the rounding of each node's sum
+rows' gradients cross back. Each level makes one host sync, for its splits; the (token, node) pairs and the
+relay's present choices take their numbers from them. Forward and gradients equal the flat dispatch's up to the rounding of each node's sum
 (none in fp32). The weights are sharded over the whole EP group as under the flat dispatch; only the row movement
 differs.
 """
@@ -32,13 +33,13 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
-from titan_kimi.parallel.expert_parallel import ExpertShardGroupedExperts, expert_shard_class
+from titan_kimi.parallel.expert_parallel import ExpertShardGroupedExperts, expert_shard_class, routed_rows_style
 from titan_kimi.parallel.overlapped_exchange import all_to_all_alongside, wait_tensor
 
 
 class NodeDispatchExperts(ExpertShardGroupedExperts):
     """The routed experts of one EP rank whose ``route`` moves rows node by node (set up by
-    ``dispatch_by_node``: ``across`` and ``node`` meshes, torchtitan's ``ExpertParallel`` for the node level)."""
+    ``dispatch_by_node``: ``across`` and ``node`` meshes, ``routed_rows_style`` for the node level)."""
 
     across: DeviceMesh
     node: DeviceMesh
@@ -80,10 +81,11 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         ``weights [P, k]`` -> each row's weighted sum over its experts here, ``[P, L]`` in ``dtype``."""
         key = torch.where(experts < 0, per_node, experts).view(-1)  # absent choices sort last
         counts = torch.bincount(key, minlength=per_node + 1)
-        order = torch.argsort(key, stable=True)[:key.numel() - int(counts[per_node])]
-        source = order // experts.shape[1]  # each present choice's row
         style, node = self.node_style, self.node
-        routed, local_counts = style._token_dispatch(self, (rows.index_select(0, source), counts[:per_node]), node)
+        present = style.exchange_splits(counts[:per_node], node)  # the node level's one host sync
+        order = torch.argsort(key, stable=True)[:present]
+        source = order // experts.shape[1]  # each present choice's row
+        routed, local_counts = style.send_rows(rows.index_select(0, source), node)
         out = style._token_combine(self, self(routed, local_counts), node)  # FSDP gathers around the call
         weighted = out.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         return weighted.new_zeros(rows.shape[0], out.shape[1]).index_add(0, source, weighted).to(dtype)
@@ -127,9 +129,8 @@ def dispatch_by_node(experts: nn.Module, ep_mesh: DeviceMesh, across: DeviceMesh
     """``experts`` sharded over ``ep_mesh`` as torchtitan's ``ExpertParallel`` does, their routed path moving
     rows over ``across`` (this rank's peers on the other nodes) and ``node`` (its own node's EP ranks)."""
     from torch.distributed.tensor import distribute_module
-    from torchtitan.distributed.expert_parallel import ExpertParallel
 
-    style = ExpertParallel()
+    style = routed_rows_style()()
     experts.__class__ = node_dispatch_class(type(experts))
     distribute_module(experts, ep_mesh, style._partition_fn)  # the weights' shards; no input or output hooks
     experts.across, experts.node, experts.node_style = across, node, style

@@ -78,25 +78,52 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
 
 def routed_rows(rows: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """The routed rows of the experts' input ``rows``, sorted by expert: the unrouted slots after them (padding
-    tokens' choices, past the counts' sum) are left out of the exchange. A host sync for the count, beside the
-    one torchtitan's dispatch makes for its splits."""
+    tokens' choices, past the counts' sum) are left out. A host sync for the count: the rank slice's stand-in
+    for the dispatch's one sync (``routed_rows_style`` reads the count from its splits)."""
     routed = int(num_tokens_per_expert.sum())
     return rows[:routed] if routed < rows.shape[0] else rows
 
 
 @functools.cache
-def _routed_rows_style() -> type:
-    """torchtitan's ``ExpertParallel`` whose dispatch sends only the routed rows: the experts' input ends in
+def routed_rows_style() -> type:
+    """torchtitan's ``ExpertParallel`` whose dispatch sends only the routed rows: the experts' input may end in
     unrouted slots (padding tokens' choices, past the counts' sum), which no rank computes; the combine then
     hands back the routed rows alone (``GroupedExperts.route`` appends the zero rows after the shared experts
-    are queued, so the exchange stays in flight beside them)."""
+    are queued, so the exchange stays in flight beside them). Its dispatch makes one host sync, for the splits,
+    which also give the routed count; ``exchange_splits`` and ``send_rows`` are its two halves, for a caller that
+    builds the rows once the count is known (the hierarchical dispatch's node level)."""
+    from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
+    from titan_kimi.parallel.expert_permutation import permute
+
     class RoutedRowsExpertParallel(ExpertParallel):
+        def exchange_splits(self, num_tokens_per_expert: torch.Tensor, device_mesh: DeviceMesh) -> int:
+            """Exchange the per-expert counts; set the all-to-all's splits (the one host sync) and keep the
+            counts each local expert receives from each rank. Returns the rows this rank sends."""
+            ep = device_mesh.shape[0]
+            with torch.no_grad():
+                received = torch.ops._c10d_functional.wait_tensor(
+                    all_to_all_single(num_tokens_per_expert, None, None, group=device_mesh.get_group()))
+                splits = torch.stack([num_tokens_per_expert.view(ep, -1).sum(1), received.view(ep, -1).sum(1)])
+                self.input_splits, self.output_splits = splits.tolist()
+            self._received = received
+            return sum(self.input_splits)
+
+        def send_rows(self, rows: torch.Tensor, device_mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+            """``rows`` (as many as ``exchange_splits`` returned, sorted by expert) to their experts' ranks,
+            grouped by local expert and aligned for the grouped GEMM: (rows, tokens per local expert)."""
+            ep, received = device_mesh.shape[0], self._received
+            self._received = None
+            rows = all_to_all_single_autograd(rows, self.output_splits, self.input_splits, device_mesh.get_group())
+            self.input_shape, rows, self.permuted_indices, counts = permute(rows, received, ep,
+                                                                            received.shape[0] // ep)
+            return rows, counts
+
         def _token_dispatch(self, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh):
-            routed_input, num_tokens_per_expert = inputs
-            return super()._token_dispatch(mod, (routed_rows(routed_input, num_tokens_per_expert),
-                                                 num_tokens_per_expert), device_mesh)
+            rows, num_tokens_per_expert = inputs
+            routed = self.exchange_splits(num_tokens_per_expert, device_mesh)
+            return self.send_rows(rows[:routed] if routed < rows.shape[0] else rows, device_mesh)
 
     return RoutedRowsExpertParallel
 
@@ -109,7 +136,7 @@ def shard_flat(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     experts.__class__ = expert_shard_class(type(experts))
-    parallelize_module(experts, ep_mesh, _routed_rows_style()())
+    parallelize_module(experts, ep_mesh, routed_rows_style()())
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,
