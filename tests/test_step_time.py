@@ -166,6 +166,10 @@ def test_dry_run_estimates_the_step_and_recommends_a_layout(capsys):
     configured = next(line for line in lines if line.startswith("# step time of the configured layout: "))
     assert "pp 2 1F1B x dp_shard 4 x cp 1, ep 2, microbatch 1" in configured and "dominant" in configured
     assert any(line.startswith("# step time with Interleaved1F1B: not a valid layout") for line in lines)
+    # blocks out of checkpointing hold what the table measured without checkpointing: none here, so unknown
+    assert any(line.startswith("# step time of the configured layout with blocks out of checkpointing: memory "
+                               "unknown (the table") and "--activation_checkpoint.mode none" in line
+               for line in lines)
     for gpus in (8, 16):
         listed = [line for line in lines if line.startswith("#     ")]
         assert listed
@@ -265,6 +269,13 @@ def test_blocks_out_of_checkpointing_skip_their_recompute_and_hold_what_they_mea
     assert moe_kept and kept.terms["EP all-to-all"] < full.terms["EP all-to-all"]
     # + 2 x 0.2 GiB held; the peak's transient: max(0.4 - 0.2, (0.5 - 0.01) - 0.4) against 0.49
     assert kept.memory_gib - full.memory_gib == pytest.approx(0.4 + 0.2 - 0.49)
+    # the dry run's search: the most blocks out that fit a limit between 2's memory and 3's
+    from titan_kimi.parallel.step_time.describe import most_uncheckpointed
+    three = estimate("--activation_checkpoint.uncheckpointed_blocks", "3")
+    assert three.memory_gib > kept.memory_gib
+    model = StepTimeModel(cfg, args, None, dataclasses.replace(settings_from_config(cfg), table=table))
+    blocks, best = most_uncheckpointed(model, full, (kept.memory_gib + three.memory_gib) / 2)
+    assert blocks == 2 and best.step_s == pytest.approx(kept.step_s)
     without = Table({"format": 1, "geometries": {geometry_key(args): {"layers": {
         k: rows[:1] for k, rows in layers.items()}}}}, Path("t.json"))
     missing = estimate("--activation_checkpoint.uncheckpointed_blocks", "2", table=without)

@@ -75,26 +75,26 @@ def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) 
             f"layout's step){caveat}"]
 
 
+def with_uncheckpointed(model: StepTimeModel, e: StepEstimate, blocks: int) -> StepEstimate:
+    """Layout ``e`` re-estimated with ``activation_checkpoint.uncheckpointed_blocks = blocks``."""
+    c = copy.copy(e.config)
+    c.activation_checkpoint = dataclasses.replace(e.config.activation_checkpoint, uncheckpointed_blocks=blocks)
+    return model.with_config(c).estimate(e.layout)
+
+
 def most_uncheckpointed(model: StepTimeModel, e: StepEstimate, limit: float) -> tuple[int, StepEstimate] | None:
     """The most blocks per stage ``activation_checkpoint.uncheckpointed_blocks`` can take out of checkpointing
-    with layout ``e`` still fitting in ``limit`` GiB, and that estimate; None where none fits (or the memory
+    with layout ``e`` still fitting in ``limit`` GiB, and that estimate; None where none more fits (or the memory
     of blocks out of checkpointing is unknown: the table measured none)."""
-    cfg = e.config
-    ac = cfg.activation_checkpoint
+    ac = e.config.activation_checkpoint
     if ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option not in ("op", "mixers")):
         return None
     plan = e.layout.pipeline
     most = max(b - a for a, b in plan.ranges) if plan is not None else model.args.n_layers
-
-    def at(k: int) -> StepEstimate:
-        c = copy.copy(cfg)
-        c.activation_checkpoint = dataclasses.replace(ac, uncheckpointed_blocks=k)
-        return model.with_config(c).estimate(e.layout)
-
     best, low, high = None, ac.uncheckpointed_blocks + 1, most  # memory grows with the blocks kept
     while low <= high:
         mid = (low + high) // 2
-        got = at(mid)
+        got = with_uncheckpointed(model, e, mid)
         if fits(got, limit):
             best, low = (mid, got), mid + 1
         else:
@@ -105,6 +105,11 @@ def most_uncheckpointed(model: StepTimeModel, e: StepEstimate, limit: float) -> 
 def _uncheckpointed_line(model: StepTimeModel, e: StepEstimate, limit: float, what: str) -> list[str]:
     found = most_uncheckpointed(model, e, limit)
     if found is None:
+        ac = e.config.activation_checkpoint
+        if ac.mode in ("full", "selective") and ac.selective_ac_option in ("op", "mixers"):
+            one = with_uncheckpointed(model, e, ac.uncheckpointed_blocks + 1)
+            if one.memory_gib is None:  # say why the dry run cannot tell
+                return [f"{what} with blocks out of checkpointing: memory unknown ({one.memory_note})"]
         return []
     k, kept = found
     return [f"{what} with --activation_checkpoint.uncheckpointed_blocks {k} (the most that fit): {line(kept, limit)} "
