@@ -79,6 +79,10 @@ def _timed(fn_forward, device, warmup: int, repeats: int) -> tuple[float, float,
     peaks: list[int | None] = []
 
     def step(watch):
+        if device.type == "cuda":
+            # each run is a new CUDA-graph generation (reduce-overhead), as the model's forward marks it in
+            # training: the blocks run here without that forward, and the previous run's outputs are dead
+            torch.compiler.cudagraph_mark_step_begin()
         reset_peak(device)
         before = allocated(device)
         a = watch.mark()
