@@ -453,6 +453,12 @@ def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
         checked_script(r, folder / name, "rank_slice", "scripts/bench/rank_slice.py", "--config",
                        "train_configs/k31.toml", "--world-size", "256", *NO_PP_EP128, "--table", str(table), *extra,
                        timeout=300)
+    # the recipe's own layout (PP8, 28 local experts) without checkpointing: its DSA + MoE layers' entries, which
+    # the estimate needs to size blocks out of checkpointing there
+    (folder / "pp8_none").mkdir(exist_ok=True)
+    checked_script(r, folder / "pp8_none", "rank_slice", "scripts/bench/rank_slice.py", "--config",
+                   "train_configs/k31.toml", "--world-size", "256", "--loads", "balanced", "--compile.mode", "default",
+                   "--activation_checkpoint.mode", "none", "--parts", "layers", "--table", str(table), timeout=300)
 
 
 def rank_slice_hellaswag(r: Runner, folder: Path) -> None:
@@ -554,7 +560,8 @@ def single_gpu_parts() -> list[Part]:
                                    "width: per layer kind, profiles, the schedule", rank_slice_k31_fp8),
         Part("rank_slice_k31_no_pp", "the layout the estimate recommends for k31.toml at 256 GPUs (no PP, "
                                      "EP128 hierarchical), 4 layers compiled under full, none and mixers "
-                                     "checkpointing into a copy of the step-time table, with full's profile",
+                                     "checkpointing into a copy of the step-time table, with full's profile; and "
+                                     "the recipe's stage 0 layers without checkpointing",
              rank_slice_k31_no_pp),
         Part("rank_slice_k31_checkpointing", "k31.toml's stage 0 compiled, full checkpointing against mixers "
                                              "(the token mixers' outputs kept): per layer kind, the schedule and "
