@@ -102,11 +102,12 @@ def most_uncheckpointed(model: StepTimeModel, e: StepEstimate, limit: float) -> 
     return best
 
 
-def _uncheckpointed_line(model: StepTimeModel, e: StepEstimate, limit: float, what: str) -> list[str]:
+def _uncheckpointed_line(model: StepTimeModel, e: StepEstimate, limit: float, what: str,
+                         say_unknown: bool = True) -> list[str]:
     found = most_uncheckpointed(model, e, limit)
     if found is None:
         ac = e.config.activation_checkpoint
-        if ac.mode in ("full", "selective") and ac.selective_ac_option in ("op", "mixers"):
+        if say_unknown and ac.mode in ("full", "selective") and ac.selective_ac_option in ("op", "mixers"):
             one = with_uncheckpointed(model, e, ac.uncheckpointed_blocks + 1)
             if one.memory_gib is None:  # say why the dry run cannot tell
                 return [f"{what} with blocks out of checkpointing: memory unknown ({one.memory_note})"]
@@ -162,7 +163,8 @@ def describe_step_time(cfg, args, layout: ParallelLayout, vision) -> list[str]:
             lines.append(f"recommended for {gpus} GPUs: {short(best)} ({best.tokens_per_s_per_gpu:,.0f} "
                          f"tokens/s/GPU, MFU {best.mfu:.1%}"
                          + (f", {gain:+.0%} against the configured layout)" if gpus == layout.world_size else ")"))
-            lines += _uncheckpointed_line(model, best, s.memory_gib, f"  the recommended layout for {gpus} GPUs")
+            lines += _uncheckpointed_line(model, best, s.memory_gib, f"  the recommended layout for {gpus} GPUs",
+                                          say_unknown=False)  # (the configured layout's line says why)
         else:
             lines.append(f"recommended for {gpus} GPUs: none fits in {s.memory_gib:g} GiB")
     return lines
