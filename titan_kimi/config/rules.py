@@ -136,17 +136,25 @@ def schedule_fits_in_training(cfg: JobConfig, source_of: SourceOf) -> None:
                       f"exceed {_other(cfg, 'training.steps', source_of)}", f"-1 or in [0, {most:.4g}]")
 
 
+NAMED_SELECTIVE_OPTIONS = ("op", "mixers")  # the selective_ac_option values other than a block frequency
+
+
+def checkpoints_every_block(mode: str, option: str) -> bool:
+    """Whether activation checkpointing ``mode`` / ``option`` wraps every block (full, op, mixers): the modes
+    ``uncheckpointed_blocks`` can take blocks out of (none wraps none, a block frequency every N-th)."""
+    return mode == "full" or (mode == "selective" and option in NAMED_SELECTIVE_OPTIONS)
+
+
 def selective_ac_option_is_known(cfg: JobConfig, source_of: SourceOf) -> None:
     option = cfg.activation_checkpoint.selective_ac_option
-    if option not in ("op", "mixers") and not (re.fullmatch(r"\d+", option) and int(option) >= 1):
+    if option not in NAMED_SELECTIVE_OPTIONS and not (re.fullmatch(r"\d+", option) and int(option) >= 1):
         raise _reject(cfg, "activation_checkpoint.selective_ac_option", source_of, "not a selective-AC option",
                       "\"op\", \"mixers\", or a block frequency written as digits >= 1 (e.g. \"2\")")
 
 
 def uncheckpointed_blocks_need_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
     ac = cfg.activation_checkpoint
-    if ac.uncheckpointed_blocks and (ac.mode == "none" or (ac.mode == "selective"
-                                                          and ac.selective_ac_option not in ("op", "mixers"))):
+    if ac.uncheckpointed_blocks and not checkpoints_every_block(ac.mode, ac.selective_ac_option):
         mode = _other(cfg, "activation_checkpoint.mode", source_of)
         if ac.mode == "selective":
             mode += " with " + _other(cfg, "activation_checkpoint.selective_ac_option", source_of)

@@ -10,6 +10,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import lowerings.ops  # noqa: F401 - registers the torch.ops.titan_kimi ops named below
+from titan_kimi.config.rules import checkpoints_every_block
 from titan_kimi.models.kimi_k3.model import KimiK3Model
 
 # The token mixers: each output is small beside the pass over the sequence's keys or states that makes it (at
@@ -96,7 +97,7 @@ def checkpointed_blocks(n_blocks: int, mode: str, option: str, uncheckpointed: i
     backward runs first, so their kept activations are freed before any checkpointed block recomputes)."""
     if mode == "none":
         return [False] * n_blocks
-    if mode == "selective" and option not in SELECTIVE_POLICIES:
+    if not checkpoints_every_block(mode, option):
         return [position % int(option) == 0 for position in range(n_blocks)]
     kept_from = n_blocks - min(uncheckpointed, n_blocks)
     return [position < kept_from for position in range(n_blocks)]

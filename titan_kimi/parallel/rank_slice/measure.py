@@ -75,30 +75,25 @@ def _timed(fn_forward, device, warmup: int, repeats: int) -> tuple[float, float,
     memory is the last run's above what was allocated when that run started: the parameters' gradients, held
     from the first backward on, belong to the rank's states, not to the item's activations."""
     synchronize(device)
-    saved: list[int | None] = []
-    peaks: list[int | None] = []
+    last: dict[str, int | None] = {}  # the latest run's memory (each run overwrites it)
 
     def step(watch):
-        if device.type == "cuda":
-            # each run is a new CUDA-graph generation (reduce-overhead), as the model's forward marks it in
-            # training: the blocks run here without that forward, and the previous run's outputs are dead
-            torch.compiler.cudagraph_mark_step_begin()
         reset_peak(device)
         before = allocated(device)
         a = watch.mark()
         outs, grads = fn_forward()
         b = watch.mark()
         after = allocated(device)
-        saved.append(None if after is None else after - before)
+        last["saved"] = None if after is None else after - before
         if any(o.requires_grad for o in outs):  # (a frozen module's output has no backward)
             torch.autograd.backward(outs, grads)
         c = watch.mark()
         top = peak(device)
-        peaks.append(None if top is None else top - before)
+        last["peak"] = None if top is None else top - before
         return [a, b, c]
 
     fwd, bwd = median_phases(step, device, warmup, repeats)
-    return fwd, bwd, gib(saved[-1]), gib(peaks[-1])
+    return fwd, bwd, gib(last["saved"]), gib(last["peak"])
 
 
 def _random_like(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

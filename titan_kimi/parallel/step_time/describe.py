@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import math
 
+from titan_kimi.config.rules import checkpoints_every_block
 from titan_kimi.config.validation import validate_job_config
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.step_time.comm import Network
@@ -87,7 +88,7 @@ def most_uncheckpointed(model: StepTimeModel, e: StepEstimate, limit: float) -> 
     with layout ``e`` still fitting in ``limit`` GiB, and that estimate; None where none more fits (or the memory
     of blocks out of checkpointing is unknown: the table measured none)."""
     ac = e.config.activation_checkpoint
-    if ac.mode == "none" or (ac.mode == "selective" and ac.selective_ac_option not in ("op", "mixers")):
+    if not checkpoints_every_block(ac.mode, ac.selective_ac_option):
         return None
     plan = e.layout.pipeline
     most = max(b - a for a, b in plan.ranges) if plan is not None else model.args.n_layers
@@ -107,7 +108,7 @@ def _uncheckpointed_line(model: StepTimeModel, e: StepEstimate, limit: float, wh
     found = most_uncheckpointed(model, e, limit)
     if found is None:
         ac = e.config.activation_checkpoint
-        if say_unknown and ac.mode in ("full", "selective") and ac.selective_ac_option in ("op", "mixers"):
+        if say_unknown and checkpoints_every_block(ac.mode, ac.selective_ac_option):
             one = with_uncheckpointed(model, e, ac.uncheckpointed_blocks + 1)
             if one.memory_gib is None:  # say why the dry run cannot tell
                 return [f"{what} with blocks out of checkpointing: memory unknown ({one.memory_note})"]

@@ -112,11 +112,10 @@ class StepTimeModel:
         self.real_fraction = float((row[:self.row_len] != 0).float().mean())
         self.dtype = compute_dtype(cfg)
 
-    def checkpointed(self, layer_range: tuple[int, int]) -> list[bool]:
-        """Which layers of the stage holding ``layer_range`` run under checkpointing, in order."""
+    def checkpointed(self, n_layers: int) -> list[bool]:
+        """Which of a stage's ``n_layers`` layers run under checkpointing, in order."""
         ac = self.cfg.activation_checkpoint
-        return checkpointed_blocks(layer_range[1] - layer_range[0], ac.mode, ac.selective_ac_option,
-                                   ac.uncheckpointed_blocks)
+        return checkpointed_blocks(n_layers, ac.mode, ac.selective_ac_option, ac.uncheckpointed_blocks)
 
     def with_config(self, cfg) -> "StepTimeModel":
         """The same recipe under another layout's config (the parameter counts are shared)."""
@@ -221,8 +220,7 @@ class StepTimeModel:
             return got[0] / 1e3, (got[1] - weight_share * own) / 1e3, weight_share * own / 1e3
 
         padded = padded or work
-        first = work.layers[0][0] if work.layers else 0
-        which = self.checkpointed((first, first + len(work.layers)))
+        which = self.checkpointed(len(work.layers))
         parts = [("layers", kind, tokens, flops, self.ac if checkpointed else 0.0, with_padding)
                  for (_, kind, flops), (_, _, with_padding), checkpointed in zip(work.layers, padded.layers, which)]
         if work.vision.total:
@@ -265,7 +263,7 @@ class StepTimeModel:
             leg, leg_backward = one, False
         rows = layout.microbatch_size if layout.pipeline is not None else self.cfg.training.local_batch_size
         whole = rows * self.row_len  # the CP group's tokens
-        for layer, checkpointed in zip(range(*layer_range), self.checkpointed(layer_range)):
+        for layer, checkpointed in zip(range(*layer_range), self.checkpointed(layer_range[1] - layer_range[0])):
             ac, ep_ac = (self.ac, self.ep_ac) if checkpointed else (0.0, 0.0)
             if a.is_moe_layer(layer) and layout.ep > 1:
                 hide_f, hide_b = self._beside_shared_experts(layer, tokens, leg, leg_backward)
@@ -480,7 +478,7 @@ class StepTimeModel:
                 # per row under CP: the KDA op keeps the incoming state of each of the rank's sequence parts
                 rows = tokens * layout.cp // cfg.training.seq_len
                 parts = rows * parts_per_rank(layout.cp_layout) if layout.cp > 1 else 0
-                for (_, kind, _), checkpointed in zip(works[s].layers, self.checkpointed((first, last))):
+                for (_, kind, _), checkpointed in zip(works[s].layers, self.checkpointed(last - first)):
                     recomputes.setdefault(self.ac if checkpointed else 0.0, set()).add(kind)
                     if checkpointed and mode == "selective/mixers":
                         per_micro += kept_bytes(a, kind, tokens, state_parts=parts)
