@@ -15,9 +15,9 @@ routed path runs in two levels:
 
 The MoE's shared experts run while the rows cross nodes (``overlapped_exchange``), and their backward while the
 rows' gradients cross back. Each level makes one host sync, for its splits; the (token, node) pairs and the
-relay's present choices take their numbers from them. Forward and gradients equal the flat dispatch's up to the rounding of each node's sum
-(none in fp32). The weights are sharded over the whole EP group as under the flat dispatch; only the row movement
-differs.
+relay's present choices take their numbers from them. Forward and gradients equal the flat dispatch's up to the
+rounding of each node's sum (none in fp32). The weights are sharded over the whole EP group as under the flat
+dispatch; only the row movement differs.
 """
 
 from __future__ import annotations

@@ -76,14 +76,6 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for block in model.layers.values() if getattr(block, "moe_enabled", False)]
 
 
-def routed_rows(rows: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """The routed rows of the experts' input ``rows``, sorted by expert: the unrouted slots after them (padding
-    tokens' choices, past the counts' sum) are left out. A host sync for the count: the rank slice's stand-in
-    for the dispatch's one sync (``routed_rows_style`` reads the count from its splits)."""
-    routed = int(num_tokens_per_expert.sum())
-    return rows[:routed] if routed < rows.shape[0] else rows
-
-
 @functools.cache
 def routed_rows_style() -> type:
     """torchtitan's ``ExpertParallel`` whose dispatch sends only the routed rows: the experts' input may end in

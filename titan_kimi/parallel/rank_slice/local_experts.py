@@ -16,8 +16,7 @@ import torch
 import torch.nn as nn
 
 from titan_kimi.models.kimi_k3.moe import LatentMoE
-from titan_kimi.parallel.expert_parallel import (_permutation_on_any_device, expert_shard_class, moe_blocks,
-                                                 routed_rows)
+from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, expert_shard_class, moe_blocks
 from titan_kimi.parallel.expert_permutation import permute, unpermute
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
 
@@ -49,9 +48,9 @@ class LocalDispatch:
 
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         # this rank's rows sorted by global expert, then its unrouted slots (padding tokens' choices), which the
-        # dispatch leaves out (as training's does, with the same host sync for the count)
+        # dispatch leaves out; the host sync for the count stands for training's one sync, for its splits
         routed, counts = inputs
-        routed = routed_rows(routed, counts)
+        routed = routed[:int(counts.sum())]
         if self._flat_counts is None or self._flat_counts.device != routed.device:
             self._flat_counts = self.load.counts.reshape(-1).to(routed.device)
         n, rows = routed.shape[0], self.load.rows
