@@ -214,7 +214,8 @@ def test_each_dispatch_level_reads_the_device_once(one_rank_group, dispatch, rea
     from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, shard_flat
 
     class DeviceReads(TorchFunctionMode):
-        names = ("tolist", "__int__", "__bool__", "__index__", "__float__", "nonzero")
+        # bincount: its output's size is the input's maximum, which a GPU reads back
+        names = ("tolist", "__int__", "__bool__", "__index__", "__float__", "nonzero", "bincount")
 
         def __init__(self):
             super().__init__()

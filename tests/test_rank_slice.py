@@ -63,6 +63,55 @@ def test_local_dispatch_matches_the_moe_when_it_receives_its_own_rows():
     assert ((grad_out - grad_ref).norm() / grad_ref.norm()).item() < 1e-5
 
 
+
+def test_hierarchical_stand_in_matches_the_moe_when_it_receives_its_own_rows():
+    """The hierarchical dispatch's stand-in (its (token, node) pairs, the relay's sort and weighted sums, the
+    token's sum over nodes; the node level's rows through the local exchange) computes the MoE's own output and
+    gradients, padding tokens included, when the node level receives exactly the relay's present choices and
+    the experts of one local index share their weights (the relay runs a node-local id's rows on that local
+    index's expert)."""
+    torch.manual_seed(1)
+    args = model_args_for("k31_debug")
+    E, ep, node_size = args.num_experts, 4, 2
+    local, nodes = E // ep, ep // node_size
+    moe = LatentMoE(args)
+    moe.init_weights()
+    with torch.no_grad():
+        for w in (moe.experts.w13, moe.experts.w2):
+            w.copy_(w[torch.arange(E) % local])
+    stand_in = copy.deepcopy(moe)
+    x = torch.randn(2, 16, args.dim, requires_grad=True)
+    is_real = torch.ones(32, dtype=torch.bool)
+    is_real[12:16] = is_real[27:] = False
+    with torch.no_grad():
+        _, indices = moe.router(x.view(-1, args.dim))
+    node_local = (indices % (E // nodes))[is_real]  # node rank * local + local index
+    counts = torch.zeros(node_size, nodes, local, dtype=torch.int64)
+    counts[:, 0] = torch.bincount(node_local.view(-1), minlength=E // nodes).view(node_size, local)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    holder.layers["0"].moe_enabled, holder.layers["0"].moe = True, stand_in
+    (exchange,) = localize_experts(holder, ExpertLoad(counts.view(ep, local), "measured", 1.0, 1.0),
+                                   node_size=node_size)
+    assert exchange.sources == node_size and type(stand_in.experts).__name__.startswith("LocalNodeDispatch")
+    ref, out = moe(x, is_real), stand_in(x, is_real)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    g = torch.randn_like(ref)
+    (grad_ref,) = torch.autograd.grad(ref, x, g)
+    (grad_out,) = torch.autograd.grad(out, x, g)
+    assert ((grad_out - grad_ref).norm() / grad_ref.norm()).item() < 1e-5
+
+
+def test_hierarchical_stand_in_refuses_nodes_that_do_not_split_the_group():
+    args = model_args_for("k31_debug")
+    moe = LatentMoE(args)
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    holder.layers["0"].moe_enabled, holder.layers["0"].moe = True, moe
+    load = balanced_load(tokens=32, top_k=args.num_experts_per_tok, num_experts=args.num_experts, ep=4)
+    with pytest.raises(ValueError, match="over nodes of 3 ranks: expert_parallel_degree 4 is not 2"):
+        localize_experts(holder, load, node_size=3)
+
 TINY_SLICE = ["--config", "train_configs/k31.toml", "--world-size", "4", "--warmup", "0", "--repeats", "1",
               "--steps", "1", "--loads", "balanced", "zipf:0.5", "--model.flavor", "k31_debug",
               "--model.vision_flavor", "moonvit3d_debug", "--training.seq_len", "64", "--training.local_batch_size",

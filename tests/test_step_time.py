@@ -152,6 +152,35 @@ def test_table_lookups_scale_by_the_measured_rate_and_move_the_recomputed_forwar
         merge_entries(data, "g", "layers", "kda+moe", entry(512, 1.0, 1.0, 1.0), hardware="cpu", peak_flops=1.0)
 
 
+
+def test_moe_entries_of_the_jobs_rank_come_first(tmp_path):
+    """A MoE kind measured on ranks of other expert counts and dispatches: a lookup takes the entry of the job's
+    local experts and dispatch, else of its dispatch, else of its local experts; an entry without a dispatch ran
+    the flat one. The saved-activation lookup prefers the same way."""
+    def entry(fwd_ms, local_experts, **extra):
+        return {"tokens": 4096, "rows": "r", "ac": 0.0, "load": "balanced", "forward_ms": fwd_ms,
+                "backward_ms": 2 * fwd_ms, "forward_flops": 1e12, "backward_flops": 2e12, "padding": "skipped",
+                "checkpointing": "none", "saved_gib": fwd_ms, "local_experts": local_experts, **extra}
+
+    data = None
+    for e in (entry(1.0, 28), entry(2.0, 7), entry(3.0, 28, dispatch="hierarchical")):
+        data = merge_entries(data, "g", "layers", "kda+moe", e, hardware="NVIDIA H200", peak_flops=989e12)
+    assert len(data["geometries"]["g"]["layers"]["kda+moe"]) == 3  # each rank's entry kept
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(data))
+    table = Table.load(path)
+
+    def fwd(local_experts, dispatch):
+        return table.time_ms("g", "layers", "kda+moe", 4096, 1e12, 2e12, 0.0, settings={"checkpointing": "none"},
+                             local_experts=local_experts, dispatch=dispatch)[0]
+
+    assert fwd(28, "flat") == pytest.approx(1.0) and fwd(7, "flat") == pytest.approx(2.0)
+    assert fwd(28, "hierarchical") == pytest.approx(3.0)
+    assert fwd(7, "hierarchical") == pytest.approx(3.0)  # the dispatch's local work before the expert count
+    assert fwd(14, "flat") in (pytest.approx(1.0), pytest.approx(2.0))  # no expert count matches: a flat one
+    assert table.saved_gib("g", "kda+moe", 4096, "none", 7, "hierarchical") == pytest.approx(3.0)
+    assert table.saved_gib("g", "kda+moe", 4096, "none", 7) == pytest.approx(2.0)
+
 STEP_TIME = [*TINY, "--job.dry_run", "--job.estimate_step_time", "--job.world_size", "8",
              "--model.flavor", "k31_debug", "--training.local_batch_size", "4", "--training.global_batch_size", "16",
              "--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2",

@@ -5,7 +5,8 @@ python scripts/bench/rank_slice.py --config train_configs/k31.toml --world-size 
 
 Builds exactly what pipeline rank ``--stage``'s owner holds (the busiest stage by model FLOPs by default) at the
 recipe's widths: its stages' layers, one EP rank's local experts (the rows it would receive under ``--loads``
-instead of the all-to-all), the recipe's dtype, activation checkpointing, compile and kernels, microbatches of
+instead of the all-to-all; under ``expert_parallel_dispatch = hierarchical`` with that dispatch's own local work,
+over nodes of ``expert_parallel_node_size``, else ``step_time.gpus_per_node``), the recipe's dtype, activation checkpointing, compile and kernels, microbatches of
 the recipe's length and row layout (``--rows``; by default the recipe's dataset: padded MedPix rows with one
 image, padded HellaSwag rows, packed text). Communication is left out (the step-time estimate adds it).
 

@@ -160,6 +160,13 @@ def _check_expert_dispatch(check: LayoutCheck, ep: int, dispatch: str, node_size
                            f"{problem}", f"{NODE_GROUPS_VALID}, or the flat dispatch")
 
 
+def planned_node_size(expert_parallel_node_size: int, gpus_per_node: int) -> int:
+    """The ranks per node that the planning tools (the step-time estimate, its sweep, the rank-slice benchmark)
+    give the hierarchical dispatch: ``parallelism.expert_parallel_node_size``, else ``step_time.gpus_per_node``
+    (a launched job reads its launcher's ranks per node instead)."""
+    return expert_parallel_node_size or gpus_per_node
+
+
 def node_groups_problem(ep: int, node_size: int) -> str | None:
     """Why an EP group of ``ep`` consecutive ranks cannot take the hierarchical dispatch over nodes of
     ``node_size`` ranks (None when it can)."""

@@ -48,39 +48,59 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
     def route(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
               num_tokens_per_expert: torch.Tensor, dtype: torch.dtype,
               alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        nodes = self.across.size()
+        nodes = self._node_count()
         per_node = self.num_experts // nodes
         tokens = indices.shape[0]
         # [T, k]; an unrouted choice (-1: a padding token's) goes to the column past the last node, dropped
         node_of = torch.where(indices >= 0, indices // per_node, nodes)
         hit = torch.zeros(tokens, nodes + 1, dtype=torch.bool, device=z.device).scatter_(1, node_of, True)[:, :nodes]
-        send = hit.sum(0)
-        group = self.across.get_group()
-        send_splits, recv_splits = torch.stack([send, _exchange(send, group)]).tolist()  # one host sync
+        send_splits, recv_splits = self._pair_splits(hit.sum(0))  # one host sync
         # (token, node) pairs, grouped by node; their number is known from the splits: no second sync
         pair_node, pair_token = torch.nonzero_static(hit.t(), size=sum(send_splits)).unbind(1)
         on_node = node_of[pair_token] == pair_node.unsqueeze(1)  # [P, k]: which of the token's choices are there
         experts = torch.where(on_node, indices[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
         pair_weights = torch.where(on_node, weights[pair_token], 0.0)
+        rows, relay_weights, relay_experts, shared = self._to_relays(z[pair_token], pair_weights, experts,
+                                                                     recv_splits, send_splits, alongside)
+        sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
+        back = self._from_relays(sums, send_splits, recv_splits)
+        total = back.new_zeros(tokens, back.shape[1], dtype=torch.float32)
+        return total.index_add(0, pair_token, back.float()).to(dtype), shared
+
+    # The level across nodes: its exchanges apart from the local work above (the rank-slice benchmark's stand-in,
+    # titan_kimi.parallel.rank_slice.local_experts, replaces these four with local moves).
+    def _node_count(self) -> int:
+        return self.across.size()
+
+    def _pair_splits(self, send: torch.Tensor) -> tuple[list[int], list[int]]:
+        """(pairs this rank sends to each node's relay, pairs its relay receives from each node): the sync."""
+        return torch.stack([send, _exchange(send, self.across.get_group())]).tolist()
+
+    def _to_relays(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, recv_splits: list[int],
+                   send_splits: list[int], alongside: Callable[[], torch.Tensor] | None):
+        """Each pair's row, router weights and node-local experts to the relays; ``alongside()`` queued beside
+        the rows -> (rows, weights, experts the relay received, alongside's result)."""
+        group = self.across.get_group()
         # The weights and ids go first, unwaited: nothing waits before the shared experts are queued beside the
         # rows, so they overlap all three exchanges. The weights' backward waits as soon as it runs; created
         # before the rows' exchange, it runs once the rows' gradients are back, out of the shared experts'
         # backward window (all_to_all_alongside).
-        relay_weights = all_to_all_single_autograd(pair_weights, recv_splits, send_splits, group)
+        relay_weights = all_to_all_single_autograd(weights, recv_splits, send_splits, group)
         pending_experts = all_to_all_single(experts, recv_splits, send_splits, group)  # ids: no gradient
-        rows, shared = all_to_all_alongside(z[pair_token], recv_splits, send_splits, group, alongside)
-        relay_experts = wait_tensor(pending_experts)
-        sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
-        back = all_to_all_single_autograd(sums, send_splits, recv_splits, group)
-        total = back.new_zeros(tokens, back.shape[1], dtype=torch.float32)
-        return total.index_add(0, pair_token, back.float()).to(dtype), shared
+        relay_rows, shared = all_to_all_alongside(rows, recv_splits, send_splits, group, alongside)
+        return relay_rows, relay_weights, wait_tensor(pending_experts), shared
+
+    def _from_relays(self, sums: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """The relays' per-pair sums back to the pairs' tokens' ranks."""
+        return all_to_all_single_autograd(sums, send_splits, recv_splits, self.across.get_group())
 
     def _node_level(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, per_node: int,
                     dtype: torch.dtype) -> torch.Tensor:
         """On the relay: ``rows [P, L]`` with their node-local ``experts [P, k]`` (-1: not on this node) and
         ``weights [P, k]`` -> each row's weighted sum over its experts here, ``[P, L]`` in ``dtype``."""
         key = torch.where(experts < 0, per_node, experts).view(-1)  # absent choices sort last
-        counts = torch.bincount(key, minlength=per_node + 1)
+        # a static-shape count: bincount's output size reads the keys' maximum back from the device (a sync)
+        counts = torch.histc(key.float(), bins=per_node + 1, min=0, max=per_node + 1).to(torch.int64)
         style, node = self.node_style, self.node
         present = style.exchange_splits(counts[:per_node], node)  # the node level's one host sync
         order = torch.argsort(key, stable=True)[:present]
@@ -89,6 +109,7 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         out = style._token_combine(self, self(routed, local_counts), node)  # FSDP gathers around the call
         weighted = out.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         return weighted.new_zeros(rows.shape[0], out.shape[1]).index_add(0, source, weighted).to(dtype)
+
 
 def _exchange(counts: torch.Tensor, group) -> torch.Tensor:
     """Each rank's ``counts [n]`` (entry j for rank j of ``group``) -> what every rank sends to this one."""

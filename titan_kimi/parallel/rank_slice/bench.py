@@ -357,8 +357,9 @@ class RankSliceBench:
                       **{k: v for k, v in settings.items() if e.kind == "block" or k != "checkpointing"},
                       "forward_ms": e.forward_ms, "backward_ms": e.backward_ms, "forward_flops": e.flops.forward,
                       "backward_flops": e.flops.backward, "saved_gib": e.saved_gib, "peak_gib": e.peak_gib, **stamp}
-            if e.load:  # a MoE layer: how many routed experts its rows were spread over
+            if e.load:  # a MoE layer: how many routed experts its rows were spread over, by which dispatch
                 record["local_experts"] = self.args.num_experts // self.layout.ep
+                record["dispatch"] = self.layout.ep_dispatch
             table = merge_entries(table, geometry, section, e.name if e.kind == "block" else e.kind, record,
                                   hardware=hardware, peak_flops=self.peak_flops)
             changed = True

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from titan_kimi.config.parallelism import planned_node_size
 from titan_kimi.lora import LoRASettings
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
 from titan_kimi.models.kimi_k3.model import KimiK3Model
@@ -130,7 +131,9 @@ def build_rank_slice(cfg, args: KimiK3ModelArgs, layout: ParallelLayout, tokeniz
         if layout.ep > 1:
             if load is None:
                 raise ValueError(f"expert_parallel_degree {layout.ep}: the rank slice needs the expert load")
-            dispatches += localize_experts(model, load)
+            node_size = (planned_node_size(layout.ep_node_size, cfg.step_time.gpus_per_node)
+                         if layout.ep_dispatch == "hierarchical" else 0)
+            dispatches += localize_experts(model, load, node_size)
         _materialize(model, device)
         _ac_and_compile(model, cfg, experts_outside=layout.ep > 1)
         stage = PipelineStageModule(model, LinearCrossEntropyLoss(cfg.training.loss_chunk_size),

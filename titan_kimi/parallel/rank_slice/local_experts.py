@@ -1,21 +1,29 @@
-"""One expert-parallel rank's experts without the all-to-all: torchtitan's ``ExpertParallel`` dispatch and
-combine (``titan_kimi.parallel.expert_parallel``) with the two all-to-alls replaced by local rows.
+"""One expert-parallel rank's experts without the all-to-alls: the dispatch training runs (torchtitan's
+``ExpertParallel`` through ``titan_kimi.parallel.expert_parallel``, or the hierarchical dispatch of
+``titan_kimi.parallel.expert_node_dispatch``) with every exchange replaced by local rows.
 
 What stays as training runs it: the MoE forward's routing and sort (padding tokens' choices left out), the
 local experts' weights (``num_experts / ep`` of them) in ``ExpertShardGroupedExperts``, the permutation
 (``expert_permutation``: group the received rows by local expert, pad each group to the GEMM alignment, and
-back). What changes: the rows that
-arrive are ``load.rows`` rows gathered from this rank's own routed rows (the all-to-all's output has that size;
-its content does not change the compute), and the combine hands back this rank's ``N`` rows by another gather.
-The two gathers stand for the all-to-alls, whose time the step-time model adds from its bandwidths.
+back), one host sync per dispatch level, and under the hierarchical dispatch its own local work (the (token,
+node) pairs, the relay's sort of their choices and its weighted sums, the token's sum over its nodes). What
+changes: the rows that arrive at the experts are ``load.rows`` rows gathered from the rows this rank would send
+(the all-to-all's output has that size; its content does not change the compute), and the combine hands back
+as many rows as were sent by another gather; under the hierarchical dispatch a relay receives the pairs this
+rank sends (what it receives under a balanced load). The gathers stand for the all-to-alls, whose time the
+step-time model adds from its bandwidths.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
+from titan_kimi.config.parallelism import node_groups_problem
 from titan_kimi.models.kimi_k3.moe import LatentMoE
+from titan_kimi.parallel.expert_node_dispatch import NodeDispatchExperts, node_dispatch_class
 from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, expert_shard_class, moe_blocks
 from titan_kimi.parallel.expert_permutation import permute, unpermute
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
@@ -31,12 +39,19 @@ def cycle_rows(x: torch.Tensor, count: int) -> torch.Tensor:
 
 
 class LocalDispatch:
-    """Forward pre-hook and hook of one rank's ``moe.experts`` (one per MoE layer: it holds that layer's
-    permutation between the two)."""
+    """One MoE layer's exchange with its local experts, for one dispatch level: ``exchange_splits`` /
+    ``send_rows`` / ``_token_combine``, the halves of ``routed_rows_style``'s dispatch and combine (the
+    hierarchical dispatch's node level calls them), and ``dispatch`` / ``combine``, the forward pre-hook and hook
+    of the flat dispatch's ``moe.experts``. It holds that layer's permutation between the two. ``sources``: the
+    ranks the experts' rows come from (the EP group flat, a node's ranks at the node level)."""
 
-    def __init__(self, load: ExpertLoad) -> None:
-        self.load = load
+    def __init__(self, load: ExpertLoad, sources: int = 0) -> None:
         self.ep, self.local = load.counts.shape
+        self.sources = sources or self.ep
+        if self.ep % self.sources:
+            raise ValueError(f"rows from {self.sources} source ranks: the load's {self.ep} ranks do not split "
+                             "into them")
+        self.load = load
         self._flat_counts: torch.Tensor | None = None
         self._state: tuple | None = None
 
@@ -46,32 +61,81 @@ class LocalDispatch:
                              f"{(self.ep, self.local)}")
         self.load, self._flat_counts = load, None
 
-    def dispatch(self, module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        # this rank's rows sorted by global expert, then its unrouted slots (padding tokens' choices), which the
-        # dispatch leaves out; the host sync for the count stands for training's one sync, for its splits
-        routed, counts = inputs
-        routed = routed[:int(counts.sum())]
-        if self._flat_counts is None or self._flat_counts.device != routed.device:
-            self._flat_counts = self.load.counts.reshape(-1).to(routed.device)
-        n, rows = routed.shape[0], self.load.rows
-        arrived = cycle_rows(routed, rows)
-        shape, permuted, indices, counts = permute(arrived, self._flat_counts, self.ep, self.local)
-        self._state = (shape, indices, n)
+    def _counts(self, device: torch.device) -> torch.Tensor:
+        """The load's rows per (source rank, local expert), its source ranks merged into ``sources`` groups."""
+        if self._flat_counts is None or self._flat_counts.device != device:
+            counts = self.load.counts.view(self.sources, self.ep // self.sources, self.local).sum(1)
+            self._flat_counts = counts.reshape(-1).to(device)
+        return self._flat_counts
+
+    def exchange_splits(self, counts: torch.Tensor, mesh=None) -> int:
+        """The rows this rank sends (the sum of ``counts``): the host sync that stands for training's one per
+        level, for its splits."""
+        return int(counts.sum())
+
+    def send_rows(self, rows: torch.Tensor, mesh=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` sent; ``load.rows`` arrive, grouped by local expert and aligned: (rows, rows per expert)."""
+        arrived = cycle_rows(rows, self.load.rows)
+        shape, permuted, indices, counts = permute(arrived, self._counts(rows.device), self.sources, self.local)
+        self._state = (shape, indices, rows.shape[0])
         return permuted, counts
 
-    def combine(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    def _token_combine(self, module: nn.Module, output: torch.Tensor, mesh=None) -> torch.Tensor:
+        """The experts' ``output`` back in the arrived order, then as many rows as were sent."""
         shape, indices, n = self._state
         self._state = None
         return cycle_rows(unpermute(output, shape, indices), n)
 
+    def dispatch(self, module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        # this rank's rows sorted by global expert, then its unrouted slots (padding tokens' choices), which the
+        # dispatch leaves out
+        routed, counts = inputs
+        return self.send_rows(routed[:self.exchange_splits(counts)])
 
-def localize_experts(model: nn.Module, load: ExpertLoad) -> list[LocalDispatch]:
+    def combine(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        return self._token_combine(module, output)
+
+
+class LocalNodeDispatchExperts(NodeDispatchExperts):
+    """The hierarchical dispatch on one rank with its exchanges across nodes replaced by local moves: the relay
+    receives the pairs this rank sends (each pair's experts on one node, their ids local to it), its node level
+    is a ``LocalDispatch`` over the node's ranks (``node_style``)."""
+
+    nodes: int
+
+    def _node_count(self) -> int:
+        return self.nodes
+
+    def _pair_splits(self, send: torch.Tensor) -> tuple[list[int], list[int]]:
+        splits = send.tolist()  # the across level's host sync
+        return splits, list(splits)
+
+    def _to_relays(self, rows, weights, experts, recv_splits, send_splits, alongside):
+        return rows, weights, experts, (alongside() if alongside is not None else None)
+
+    def _from_relays(self, sums: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        return sums
+
+
+@functools.cache
+def local_node_class(cls: type) -> type:
+    """``LocalNodeDispatchExperts`` over ``node_dispatch_class(cls)`` (LoRA's adapted experts keep their
+    ``run``)."""
+    return type(f"Local{node_dispatch_class(cls).__name__}", (LocalNodeDispatchExperts, node_dispatch_class(cls)), {})
+
+
+def localize_experts(model: nn.Module, load: ExpertLoad, node_size: int = 0) -> list[LocalDispatch]:
     """Give every MoE layer of ``model`` the ``load.counts.shape[1]`` local experts of one EP rank (the first
-    ones; free on the meta device, before materialising) and the local dispatch. Returns the hooks (one per
-    layer)."""
+    ones; free on the meta device, before materialising) and the local stand-in of its dispatch: the flat one,
+    or with ``node_size`` > 0 the hierarchical one over nodes of that many ranks. Returns the exchanges (one per
+    layer), whose load ``LocalDispatch.set_load`` changes."""
     _permutation_on_any_device()
-    hooks = []
+    exchanges = []
     ep, local = load.counts.shape
+    if node_size:
+        problem = node_groups_problem(ep, node_size)
+        if problem:
+            raise ValueError(f"the hierarchical dispatch over nodes of {node_size} ranks: {problem}")
     for block in moe_blocks(model):
         moe: LatentMoE = block.moe
         experts = moe.experts
@@ -82,10 +146,16 @@ def localize_experts(model: nn.Module, load: ExpertLoad) -> list[LocalDispatch]:
             if p.shape[0] == experts.num_experts:
                 shard = p.detach()[:local].clone()
                 setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
-        experts.num_experts = local
-        experts.__class__ = expert_shard_class(type(experts))
-        hook = LocalDispatch(load)
-        experts.register_forward_pre_hook(hook.dispatch)
-        experts.register_forward_hook(hook.combine)
-        hooks.append(hook)
-    return hooks
+        if node_size:
+            # the hierarchical dispatch reads the global expert count (its node-local ids), as in training
+            exchange = LocalDispatch(load, sources=node_size)
+            experts.__class__ = local_node_class(type(experts))
+            experts.nodes, experts.node, experts.node_style = ep // node_size, None, exchange
+        else:
+            exchange = LocalDispatch(load)
+            experts.num_experts = local
+            experts.__class__ = expert_shard_class(type(experts))
+            experts.register_forward_pre_hook(exchange.dispatch)
+            experts.register_forward_hook(exchange.combine)
+        exchanges.append(exchange)
+    return exchanges

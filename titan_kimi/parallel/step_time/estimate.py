@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowerings.ops.sequence_shards import parts_per_rank
-from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
+from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem, planned_node_size
 from titan_kimi.data.trim import padded_length, real_length
 from titan_kimi.dtypes import DTYPES
 from titan_kimi.models.kimi_k3.args import KimiK3ModelArgs
@@ -187,10 +187,11 @@ class StepTimeModel:
                 for s, r in enumerate(ranges)}
 
     def _times(self, work: StageWork, tokens: int, cp: int, ep: int,
-               padded: StageWork | None = None) -> tuple[float, float, float, list[str]]:
+               padded: StageWork | None = None, dispatch: str = "flat") -> tuple[float, float, float, list[str]]:
         """(forward, input-gradient, weight-gradient) seconds of one microbatch's compute on one rank of the
         stage (``tokens`` local tokens, ``cp`` ranks sharing the rows), and notes. ``padded``: the stage's work
-        with the padding's routed-expert rows, which table entries measured with them routed are timed on."""
+        with the padding's routed-expert rows, which table entries measured with them routed are timed on;
+        ``dispatch``: the layout's EP dispatch (its MoE entries come first)."""
         fwd = b_in = b_w = 0.0
         notes: list[str] = []
         _, load = self.load_factor(ep)
@@ -205,12 +206,13 @@ class StepTimeModel:
             f, fp = _scaled(flops, share), _scaled(with_padding, share)
             under = settings if ac else uncheckpointed
             got = self.s.table.time_ms(self.geometry, section, kind, t, f.forward, f.backward, ac, load,
-                                       under, padded_flops=(fp.forward, fp.backward), local_experts=local_experts)
+                                       under, padded_flops=(fp.forward, fp.backward), local_experts=local_experts,
+                                       dispatch=dispatch)
             inner = without_block_start(kind)
             if got is None and inner is not None:  # a block start never measured: its kind's rates
                 got = self.s.table.time_ms(self.geometry, section, inner, t, f.forward, f.backward, ac, load,
                                            under, padded_flops=(fp.forward, fp.backward),
-                                           local_experts=local_experts)
+                                           local_experts=local_experts, dispatch=dispatch)
             if got is None:
                 rate = self.s.fallback_mfu * self.s.peak_flops
                 got = (f.forward / rate * 1e3, f.backward / rate * 1e3 + ac * f.forward / rate * 1e3)
@@ -245,7 +247,7 @@ class StepTimeModel:
         routed = tokens * self.real_fraction  # padding tokens' rows are not exchanged
         sent = ep_all_to_all_bytes(routed, a.num_experts_per_tok, latent) * factor
         if layout.ep_dispatch == "hierarchical":
-            node = layout.ep_node_size or net.gpus_per_node
+            node = planned_node_size(layout.ep_node_size, net.gpus_per_node)
             problem = node_groups_problem(layout.ep, node)
             if problem:
                 raise ValueError(f"step time: parallelism.expert_parallel_dispatch = hierarchical over nodes of "
@@ -328,7 +330,7 @@ class StepTimeModel:
         nic_micro, nic_step, boundary = {}, {}, {}  # seconds on the rank's NIC per microbatch and per step
         counts = {s: self.stage_counts(r) for s, r in enumerate(ranges)}
         for s, work in works.items():
-            f, i, w, missing = self._times(work, tokens, layout.cp, layout.ep, padded_works[s])
+            f, i, w, missing = self._times(work, tokens, layout.cp, layout.ep, padded_works[s], layout.ep_dispatch)
             notes += missing
             cf, cb, ep, nic_micro[s] = self._layer_comm(layout, ranges[s], tokens)
             comm_f[s], comm_b[s], ep_per_stage[s] = cf, cb, ep
@@ -484,7 +486,7 @@ class StepTimeModel:
                         per_micro += kept_bytes(a, kind, tokens, state_parts=parts)
                     elif not checkpointed:
                         saved = self.s.table.saved_gib(self.geometry, kind, tokens, self.cfg.compile.mode,
-                                                       a.num_experts // layout.ep)
+                                                       a.num_experts // layout.ep, layout.ep_dispatch)
                         if saved is None:
                             return None, (f"the table ({self.s.table.path.name}) holds no {kind} layer measured "
                                           "without checkpointing: scripts/bench/rank_slice.py with "

@@ -14,7 +14,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-from titan_kimi.config.parallelism import node_groups_problem
+from titan_kimi.config.parallelism import node_groups_problem, planned_node_size
 from titan_kimi.config.validation import validate_job_config
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
 from titan_kimi.parallel.step_time.estimate import StepEstimate, StepTimeModel
@@ -88,7 +88,7 @@ def candidates(cfg, args, world_size: int, *, image_text: bool = False) -> tuple
 def _dispatches(cfg, ep: int) -> list[str]:
     """The EP dispatches an EP degree allows: hierarchical where the group is 2+ whole nodes (of the recipe's
     expert_parallel_node_size, else step_time.gpus_per_node)."""
-    node = cfg.parallelism.expert_parallel_node_size or cfg.step_time.gpus_per_node
+    node = planned_node_size(cfg.parallelism.expert_parallel_node_size, cfg.step_time.gpus_per_node)
     return ["flat"] if ep == 1 or node_groups_problem(ep, node) else ["flat", "hierarchical"]
 
 

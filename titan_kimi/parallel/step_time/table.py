@@ -89,6 +89,7 @@ class Measured:
     checkpointing: str = "full"  # the activation checkpointing it was measured under (``checkpointing``)
     padding: str = PADDING_ROUTED  # whether its padding tokens ran the routed experts
     local_experts: int = 0  # the routed experts of its rank (a MoE layer's; 0: not recorded)
+    dispatch: str = "flat"  # the EP dispatch its MoE ran under (a MoE layer's; entries without it: flat)
 
     @property
     def forward_rate(self) -> float:
@@ -136,7 +137,8 @@ class Table:
         rows = self.raw(geometry, section).get(kind, [])
         return [Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"],
                          r["ac"], r["load"], **{k: r.get(k, default) for k, (_, default) in MEASURED_UNDER.items()},
-                         padding=r.get("padding", PADDING_ROUTED), local_experts=r.get("local_experts", 0))
+                         padding=r.get("padding", PADDING_ROUTED), local_experts=r.get("local_experts", 0),
+                         dispatch=r.get("dispatch", "flat"))
                 for r in rows]
 
     def measured_under(self, geometry: str, key: str) -> set[str]:
@@ -149,14 +151,15 @@ class Table:
                 backward_flops: float, ac: float, load: str = "balanced",
                 settings: Mapping[str, str] | None = None,
                 padded_flops: tuple[float, float] | None = None,
-                local_experts: int = 0) -> tuple[float, float] | None:
+                local_experts: int = 0, dispatch: str = "flat") -> tuple[float, float] | None:
         """(forward ms, backward ms incl. ``ac`` recomputed forwards) of ``kind`` at ``tokens`` with these
         FLOPs, from the rates measured nearest in tokens under ``settings`` (``measured_settings``; missing ones
         at their defaults: the entries matching all of them, else the first ones of MEASURED_UNDER, else any) and
         load ``load`` (else balanced); None if the kind was never measured for this geometry. Entries measured
         with the padding skipping the routed experts come first; entries measured with it routed time
         ``padded_flops`` (the same work with the padding's expert rows, when given) instead. Entries of a rank
-        holding ``local_experts`` routed experts come first (the same rows over more experts: smaller GEMMs)."""
+        holding ``local_experts`` routed experts and measured under EP ``dispatch`` come first
+        (``_same_rank_first``)."""
         wanted = [(k, (settings or {}).get(k, default)) for k, (_, default) in MEASURED_UNDER.items()
                   if section == "layers" or k != "checkpointing"]  # only decoder layers are checkpointed
         job_checkpointing = dict(wanted).get("checkpointing")
@@ -171,7 +174,7 @@ class Table:
         chosen = [m for m in found if m.load == load] or [m for m in found if m.load == "balanced"] or found
         if not chosen:
             return None
-        chosen = [m for m in chosen if m.local_experts == local_experts] or chosen
+        chosen = _same_rank_first(chosen, local_experts, dispatch, lambda m: (m.local_experts, m.dispatch))
         skipped = [m for m in chosen if m.padding == PADDING_SKIPPED]
         if skipped:
             chosen = skipped
@@ -184,17 +187,18 @@ class Table:
         return fwd, bwd + ac * fwd
 
     def saved_gib(self, geometry: str, kind: str, tokens: int, compile_mode: str,
-                  local_experts: int = 0) -> float | None:
+                  local_experts: int = 0, dispatch: str = "flat") -> float | None:
         """GiB a ``kind`` layer out of activation checkpointing holds after its forward for its backward, at
         ``tokens`` (scaled in proportion from the nearest measured token count; measured under ``compile_mode``
         where the table has that, since Inductor decides what a compiled forward keeps; with ``local_experts``
-        routed experts on the rank where it has that); a block start never measured takes its kind's. None if the
+        routed experts on the rank under EP ``dispatch`` where it has that); a block start never measured takes its kind's. None if the
         table has no such measurement."""
         for name in (kind, *(k for k in [without_block_start(kind)] if k)):
             rows = [r for r in self.raw(geometry, "layers").get(name, [])
                     if r.get("checkpointing") == "none" and r.get("saved_gib") is not None and r.get("tokens")]
             rows = [r for r in rows if r.get("compile", "none") == compile_mode] or rows
-            rows = [r for r in rows if r.get("local_experts", 0) == local_experts] or rows
+            rows = _same_rank_first(rows, local_experts, dispatch,
+                                    lambda r: (r.get("local_experts", 0), r.get("dispatch", "flat")))
             if rows:
                 nearest = min({r["tokens"] for r in rows}, key=lambda t: abs(math.log(t / tokens)))
                 return max(r["saved_gib"] for r in rows if r["tokens"] == nearest) * tokens / nearest
@@ -205,6 +209,18 @@ class Table:
         for k in keys:
             node = node.get(k) if isinstance(node, dict) else None
         return node
+
+
+def _same_rank_first(items: list, local_experts: int, dispatch: str, rank_of) -> list:
+    """The ``items`` measured on a rank like the job's: ``rank_of(item)`` = (its local experts, its EP dispatch);
+    both matching, else the dispatch (the hierarchical one adds local work to a MoE layer), else the local
+    experts (the same rows over more experts: smaller GEMMs), else all."""
+    for same in (lambda le, d: le == local_experts and d == dispatch, lambda le, d: d == dispatch,
+                 lambda le, d: le == local_experts):
+        found = [i for i in items if same(*rank_of(i))]
+        if found:
+            return found
+    return items
 
 
 def _interpolate(points: list[Measured], tokens: int, rate) -> float:
@@ -236,7 +252,7 @@ def merge_entries(table: dict[str, Any] | None, geometry: str, section: str, kin
 
     def key(e: dict[str, Any]) -> tuple:
         return (*(e.get(k, defaults.get(k)) for k in ("tokens", "ac", "load", "rows", *MEASURED_UNDER)),
-                e.get("padding", PADDING_ROUTED), e.get("local_experts", 0))
+                e.get("padding", PADDING_ROUTED), e.get("local_experts", 0), e.get("dispatch", "flat"))
 
     kinds[kind] = [e for e in kinds.get(kind, []) if key(e) != key(entry)] + [entry]
     return out
