@@ -135,6 +135,9 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     assert head["forward_ms"] > 0 and head["backward_ms"] > 0 and "built alone" in head["note"]
     blocks = [e for e in report["layers"] if e["kind"] == "block"]
     assert all(e["forward_ms"] > 0 and e["backward_ms"] > 0 and e["flops"]["forward"] > 0 for e in blocks)
+    # the host's time to queue each phase beside the device's (on a CPU both clocks are the wall clock)
+    assert all(0 < e["host_forward_ms"] <= e["forward_ms"] and e["host_backward_ms"] > 0 for e in blocks)
+    assert "host fwd / bwd ms" in (out / "rank_slice.md").read_text()
     assert {e["load"] for e in blocks if "+moe" in e["name"]} == {"balanced", "zipf:0.5"}
     profiled = {p["name"]: p for p in json.loads((out / "profile.json").read_text())}
     assert {"kda+moe", "attention kda", "ffn moe"} <= set(profiled)

@@ -55,8 +55,9 @@ def measure_expert_gemms(experts: torch.nn.Module, load: ExpertLoad, *, warmup: 
     out = []
     for name, fn in (("experts: grouped_mm (what runs)", grouped), ("experts: one mm per expert", per_expert),
                      ("experts: one dense GEMM chain (the floor)", dense)):
-        fwd, bwd, saved, top = _timed(fn, device, warmup, repeats)
-        out.append(Entry(name, "gemm", rows, fwd, bwd, flops, saved, top, note, load.name))
+        t = _timed(fn, device, warmup, repeats)
+        out.append(Entry(name, "gemm", rows, t.forward_ms, t.backward_ms, flops, t.saved_gib, t.peak_gib, note,
+                         load.name, host_forward_ms=t.host_forward_ms, host_backward_ms=t.host_backward_ms))
     for p in (w13, w2):
         p.grad = None
     return out

@@ -11,8 +11,9 @@ that the model FLOPs, and so the MFU, leave out).
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -45,6 +46,8 @@ class Entry:
     load: str = ""  # the expert load of an MoE entry
     rows: str = ""  # the microbatch's row layout
     checkpointed: bool = False  # a block item that ran under activation checkpointing
+    host_forward_ms: float | None = None  # the host's ms of the same calls (``Timed``)
+    host_backward_ms: float | None = None
 
     def row(self, peak_flops: float) -> dict:
         out = asdict(self)
@@ -70,30 +73,50 @@ def _sequence(part, mb: Microbatch, max_causal_keys: int | None):
     return seq
 
 
-def _timed(fn_forward, device, warmup: int, repeats: int) -> tuple[float, float, float | None, float | None]:
-    """(forward ms, backward ms, saved GiB, peak GiB) of ``fn_forward() -> (outputs, grads)`` then backward. The
-    memory is the last run's above what was allocated when that run started: the parameters' gradients, held
-    from the first backward on, belong to the rank's states, not to the item's activations."""
+class Timed(NamedTuple):
+    """Medians of one item's runs: device ms of the forward and the backward (the GPU's clock), host ms of the
+    same calls (the Python thread's, from the call until it returns with every kernel queued: at or above the
+    device's, the phase is bound by the host), memory above what a run started with."""
+
+    forward_ms: float
+    backward_ms: float
+    saved_gib: float | None
+    peak_gib: float | None
+    host_forward_ms: float
+    host_backward_ms: float
+
+
+def _timed(fn_forward, device, warmup: int, repeats: int) -> Timed:
+    """``fn_forward() -> (outputs, grads)`` then backward, timed. The memory is the last run's above what was
+    allocated when that run started: the parameters' gradients, held from the first backward on, belong to the
+    rank's states, not to the item's activations."""
     synchronize(device)
     last: dict[str, int | None] = {}  # the latest run's memory (each run overwrites it)
+    host: list[tuple[float, float]] = []  # every run's host ms, warm-ups first
 
     def step(watch):
         reset_peak(device)
         before = allocated(device)
         a = watch.mark()
+        t0 = time.perf_counter()
         outs, grads = fn_forward()
+        t1 = time.perf_counter()
         b = watch.mark()
         after = allocated(device)
         last["saved"] = None if after is None else after - before
         if any(o.requires_grad for o in outs):  # (a frozen module's output has no backward)
             torch.autograd.backward(outs, grads)
+        t2 = time.perf_counter()
         c = watch.mark()
         top = peak(device)
         last["peak"] = None if top is None else top - before
+        host.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
         return [a, b, c]
 
     fwd, bwd = median_phases(step, device, warmup, repeats)
-    return fwd, bwd, gib(last["saved"]), gib(last["peak"])
+    timed = host[warmup:] or host
+    return Timed(fwd, bwd, gib(last["saved"]), gib(last["peak"]), statistics.median(h[0] for h in timed),
+                 statistics.median(h[1] for h in timed))
 
 
 def _random_like(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -191,9 +214,10 @@ def measure_blocks(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys
     entries: list[Entry] = []
     for job in block_jobs(rs, mbs, max_causal_keys=max_causal_keys, generator=generator, device=device, what=what,
                           select=select):
-        fwd, bwd, saved, top = _timed(job.run, device, warmup, repeats)
-        entries.append(Entry(job.label, job.item, job.tokens, fwd, bwd, job.flops(), saved, top, job.note, job.load,
-                             checkpointed=job.checkpointed))
+        t = _timed(job.run, device, warmup, repeats)
+        entries.append(Entry(job.label, job.item, job.tokens, t.forward_ms, t.backward_ms, job.flops(), t.saved_gib,
+                             t.peak_gib, job.note, job.load, checkpointed=job.checkpointed,
+                             host_forward_ms=t.host_forward_ms, host_backward_ms=t.host_backward_ms))
     return entries
 
 
@@ -213,16 +237,18 @@ def measure_vision(part, mb: Microbatch, *, warmup: int, repeats: int, generator
         grad = _random_like(out, generator) if grad is None else grad
         return [out], [grad]
 
-    fwd, bwd, saved, top = _timed(run, device, warmup, repeats)
+    t = _timed(run, device, warmup, repeats)
     n = len(mb.grids)
     fwd_flops = vision_flops(part.vision_args, part.args.dim, mb.grids, tower_trained=False,
                              projector_trained=False)
     total = vision_flops(part.vision_args, part.args.dim, mb.grids, tower_trained=trains,
                          projector_trained=projector)
     flops = LayerFlops(fwd_flops / n, (total - fwd_flops) / n / 2, (total - fwd_flops) / n / 2)
-    t, h, w = mb.grids[0]
-    return Entry(f"vision tower + projector, per {h * 14}x{w * 14} image", "vision", t * h * w, fwd / n, bwd / n,
-                 flops, saved, top, f"{t * h * w} patches; tower {'trained' if trains else 'frozen'}")
+    frames, h, w = mb.grids[0]
+    return Entry(f"vision tower + projector, per {h * 14}x{w * 14} image", "vision", frames * h * w, t.forward_ms / n,
+                 t.backward_ms / n, flops, t.saved_gib, t.peak_gib, f"{frames * h * w} patches; tower "
+                 f"{'trained' if trains else 'frozen'}", host_forward_ms=t.host_forward_ms / n,
+                 host_backward_ms=t.host_backward_ms / n)
 
 
 def measure_head(part, loss_fn, mb: Microbatch, *, warmup: int, repeats: int, generator: torch.Generator,
@@ -240,9 +266,10 @@ def measure_head(part, loss_fn, mb: Microbatch, *, warmup: int, repeats: int, ge
         loss = loss_fn(part.output, part.norm(hidden), mb.labels, normalizer)
         return [loss], [None]
 
-    fwd, bwd, saved, top = _timed(run, device, warmup, repeats)
-    return Entry("norm + head + loss", "head", mb.tokens, fwd, bwd, head_flops(part.args, mb.tokens), saved, top,
-                 note)
+    t = _timed(run, device, warmup, repeats)
+    return Entry("norm + head + loss", "head", mb.tokens, t.forward_ms, t.backward_ms, head_flops(part.args, mb.tokens),
+                 t.saved_gib, t.peak_gib, note, host_forward_ms=t.host_forward_ms,
+                 host_backward_ms=t.host_backward_ms)
 
 
 def measure_optimizer(block: torch.nn.Module, optimizer_cfg, *, warmup: int, repeats: int,

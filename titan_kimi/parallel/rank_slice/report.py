@@ -9,13 +9,15 @@ def _num(x, fmt: str = ".2f") -> str:
 
 
 def _entries(rows: list[dict]) -> list[str]:
-    out = ["| item | tokens | fwd ms | bwd ms | fwd GFLOP | bwd GFLOP | fwd TFLOP/s | bwd TFLOP/s | MFU | saved GiB "
-           "| peak GiB | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    # host ms: the Python thread's time to queue the phase; at or above its device ms the phase is host-bound
+    out = ["| item | tokens | fwd ms | bwd ms | host fwd / bwd ms | fwd GFLOP | bwd GFLOP | fwd TFLOP/s | bwd TFLOP/s "
+           "| MFU | saved GiB | peak GiB | note |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = r["flops"]
         backward = f["backward_input"] + f["backward_weight"]
         mfu = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        out.append(f"| {r['name']} | {r['tokens']} | {_num(r['forward_ms'])} | {_num(r['backward_ms'])} | "
+        host = f"{_num(r.get('host_forward_ms'))} / {_num(r.get('host_backward_ms'))}"
+        out.append(f"| {r['name']} | {r['tokens']} | {_num(r['forward_ms'])} | {_num(r['backward_ms'])} | {host} | "
                    f"{f['forward'] / 1e9:.4g} | {backward / 1e9:.4g} | {_num(r['forward_tflops'], '.0f')} | "
                    f"{_num(r['backward_tflops'], '.0f')} | {mfu} | {_num(r['saved_gib'])} | {_num(r['peak_gib'])} | "
                    f"{r['note']} |")
