@@ -1,6 +1,7 @@
 """The image-text recipes end to end on CPU: falling loss with and without LoRA, adapter files, FSDP2 + LoRA on
 two processes against one, LoRA at PP2 against one process (adapters merged and exported, also by the pipelined
-run's own final HF save), and the one-H200 recipe at reduced size.
+run's own final HF save), rows cut after their last real token (in one process, under FSDP x EP2 and under PP2),
+and the one-H200 recipe at reduced size.
 
 The runs are one table (tests/train_runs.py), launched once per module: one launch per world size."""
 
@@ -52,6 +53,8 @@ RUNS = {
     # the same 4 steps with every micro-batch at seq_len, and cut after its last real token
     "rows_whole": Run(0, (*TRIMMED, "0")),
     "rows_trimmed": Run(0, (*TRIMMED, "4")),
+    # cut under PP2: each new length gets its stages' static shapes
+    "pp2_rows_trimmed": Run(2, (*TRIMMED, "4", "--parallelism.pipeline_parallel_degree", "2")),
     # two processes, FSDP x EP2, the recipe's mixed precision: whole rows, and cut (ranks cut to their own lengths)
     "ep2_rows_whole": Run(2, (*EP2_MIXED, "0")),
     "ep2_rows_trimmed": Run(2, (*EP2_MIXED, "4")),
@@ -216,6 +219,18 @@ def test_trimmed_rows_train_as_the_whole_rows(runs):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
         assert a["tokens"] == 2 * 80 and b["tokens"] % (2 * 4) == 0
     assert sum(b["tokens"] for b in trimmed) < sum(a["tokens"] for a in whole)
+
+
+def test_trimmed_rows_train_under_pipeline_parallelism_as_in_one_process(runs):
+    """Rows cut to a new length in each step (72, 76, 68, 76 tokens) through a PP2 pipeline, whose stages have
+    static shapes: the runner builds each length's schedule, and the losses are the one process's (fp32)."""
+    pp2, single = runs.rows("pp2_rows_trimmed"), runs.rows("rows_trimmed")
+    assert len(pp2) == len(single) == 4
+    assert [m["tokens"] for m in pp2] == [m["tokens"] for m in single]
+    assert len({m["tokens"] for m in pp2}) > 1  # the length changed between steps
+    assert pp2[0]["loss"] == pytest.approx(single[0]["loss"], rel=1e-5)
+    for a, b in zip(pp2, single):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
 
 
 def test_trimmed_rows_train_as_the_whole_rows_under_fsdp_and_expert_parallelism(runs):

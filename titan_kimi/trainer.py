@@ -229,14 +229,17 @@ class Trainer:
             modules.append((index, module))
         mb = layout.microbatch_size
         images = self._image_slots() if self.vision is not None else None  # None: text data, no images
-        schedule, stages = build_schedule(
-            layout.pipeline, modules, device=self.device, group=self.meshes.pp_group,
-            n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb,
-            seq_len=cfg.training.seq_len // layout.cp,  # this rank's tokens of each sequence
-            images=images, patch_size=self.vision.patch_size if self.vision is not None else 14,
-            gradient_sync=cfg.parallelism.pipeline_gradient_sync,
-            reshard_after_forward=reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, pipeline=True))
-        return PipelineRunner(schedule, stages, [m for _, m in modules], images,
+
+        def build(length: int):  # length: this rank's tokens of each sequence
+            return build_schedule(
+                layout.pipeline, modules, device=self.device, group=self.meshes.pp_group,
+                n_microbatches=cfg.training.local_batch_size // mb, microbatch=mb, seq_len=length,
+                images=images, patch_size=self.vision.patch_size if self.vision is not None else 14,
+                gradient_sync=cfg.parallelism.pipeline_gradient_sync,
+                reshard_after_forward=reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward,
+                                                            pipeline=True))
+
+        return PipelineRunner(build, cfg.training.seq_len // layout.cp, [m for _, m in modules], images,
                               prefetch_weights=cfg.parallelism.pipeline_prefetch_weights)
 
     def _image_slots(self):

@@ -118,13 +118,8 @@ def check_degrees(cfg: JobConfig, world_size: int | None = None, *, image_text: 
 
 
 def _check_trimmed_rows(check: LayoutCheck, pp: int, cp: int, multiple: int) -> None:
-    # A pipeline stage sizes its receive buffers from the first step's microbatch, and the CP ranks cut rows of
-    # one length: neither takes a batch length that changes from step to step.
-    if multiple and pp > 1:
-        raise check.reject("training.pad_to_multiple_of",
-                           f"with {check.other('parallelism.pipeline_parallel_degree')}: pipeline stages keep the "
-                           "first step's activation shapes, and trimmed batches change length from step to step",
-                           "0 (rows at seq_len) with pipeline parallelism")
+    # The CP ranks cut rows of one length into their chunks; trimming before that cut is not built. (Pipeline
+    # stages take the new length: PipelineRunner builds each length's static shapes.)
     if multiple and cp > 1:
         raise check.reject("training.pad_to_multiple_of",
                            f"with {check.other('parallelism.context_parallel_degree')}: trimming rows before "

@@ -189,19 +189,32 @@ def build_schedule(
 class PipelineRunner:
     """One optimizer micro-step of this rank's stages: fwd + bwd over the microbatches of a local batch.
 
+    ``build(length)`` makes the schedule and stages for microbatches of ``length`` tokens per row (stages have
+    static I/O shapes): the runner starts at ``length`` and, when a batch comes at another one (rows cut after
+    their last real token, ``training.pad_to_multiple_of``), builds that length's schedule in place of the last
+    one, whose receive buffers go with it. Every rank of a pipeline runs the same batch, so they switch together.
+
     ``prefetch_weights``: start every FSDP unit's all-gather when a step begins (asynchronously, in forward order)
     instead of in its first microbatch's forward, so that a later stage gathers while it waits for its first
     input. FSDP's pre-forward waits for them. From the second step on: the first forward initialises FSDP's
     root state (its streams), which the gathers need."""
 
-    def __init__(self, schedule, stages, modules: Sequence[PipelineStageModule],
+    def __init__(self, build: Callable[[int], tuple], length: int, modules: Sequence[PipelineStageModule],
                  images: ImageSlots | None = None, *, prefetch_weights: bool = False) -> None:
-        self.schedule, self.stages, self.modules = schedule, stages, list(modules)
+        self._build, self.length = build, length
+        self.schedule, self.stages = build(length)
+        self.modules = list(modules)
         self.images = images
-        self.has_first = any(s.is_first for s in stages)
-        self.has_last = any(s.is_last for s in stages)
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
         self.prefetch_weights = prefetch_weights
         self._steps = 0
+
+    def _at_length(self, length: int) -> None:
+        if length != self.length:
+            self.schedule = self.stages = None  # the last length's buffers are free before the next are made
+            self.schedule, self.stages = self._build(length)
+            self.length = length
 
     def _prefetch(self) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -218,6 +231,7 @@ class PipelineRunner:
         if self.prefetch_weights and backward and self._steps:
             self._prefetch()
         self._steps += 1
+        self._at_length(batch["doc_ids"].shape[1])
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         args = (batch["input_ids"],) if self.has_first else ()
         if self.has_first and self.images is not None:

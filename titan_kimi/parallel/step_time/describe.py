@@ -50,7 +50,7 @@ TRIM_MULTIPLE = 128  # the hint's training.pad_to_multiple_of: few compiled leng
 
 def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) -> list[str]:
     """Where the rows end in padding and the config runs them whole: the fastest layout that fits at the
-    configured GPU count with ``training.pad_to_multiple_of`` set (it needs no PP and no CP)."""
+    configured GPU count with ``training.pad_to_multiple_of`` set (it needs no CP)."""
     t = cfg.training
     if t.pad_to_multiple_of:
         return [f"step time: rows run at {model.row_len} of {t.seq_len} tokens (training.pad_to_multiple_of = "
@@ -62,7 +62,11 @@ def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) 
         return []
     real = round(cut.real_fraction * cut.row_len)
     head = (f"rows hold {real} real tokens of {t.seq_len}: with --training.pad_to_multiple_of {TRIM_MULTIPLE} "
-            f"(no PP, no CP) they run at {cut.row_len}")
+            f"(no CP) they run at {cut.row_len}")
+    if probe.layout.cp == 1:  # the configured layout itself with its rows trimmed
+        here = cut.estimate(probe.layout)
+        if here.step_s and probe.step_s:
+            head += f"; the configured layout {here.step_s:.3g} s ({probe.step_s / here.step_s:.2f}x its step)"
     fit = [e for e in sweep(cut, probe.layout.world_size)[0] if fits(e, limit)]
     if not fit:
         return [f"{head}; no such layout fits in {limit:g} GiB at {probe.layout.world_size} GPUs"]
