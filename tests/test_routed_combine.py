@@ -110,11 +110,84 @@ def test_interpreted_kernels_reject_bad_shapes(ik):
     order, rows, weights, _ = routing(4, 2, 5, 8)
     slots = rc.routing_slots(order, 2)
     with pytest.raises(ValueError, match="every one of the"):
-        ik.routed_combine.gather_sum(rows[:-1], slots, weights, torch.float32)
+        ik.routed_combine.gather_sum(torch.cat([rows, rows[:1]]), slots, weights, torch.float32)
     with pytest.raises(ValueError, match="weights must be"):
         ik.routed_combine.gather_sum(rows, slots, weights[:, :1], torch.float32)
     with pytest.raises(ValueError, match="grad must be"):
         ik.routed_combine.gather_sum_backward(torch.randn(3, 8), rows, slots, weights)
+
+
+def present_routing(T: int, k: int, nodes: int, L: int, dtype=torch.float32, seed=0):
+    """A relay's view (the hierarchical dispatch): each row's ``k`` choices, those not on this node absent (-1,
+    weight 0), sorted after the present ones; the present choices' expert-ordered rows."""
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.rand(T, 4 * nodes, generator=g).topk(k, dim=-1).indices
+    here = experts < 4  # the first node's 4 experts
+    key = torch.where(here, experts, 4).view(-1)
+    order = torch.argsort(key, stable=True)
+    present = int(here.sum())
+    weights = torch.where(here, torch.rand(T, k, generator=g), 0.0)
+    rows = torch.randn(present, L, generator=g).to(dtype)
+    return order, present, rows, weights
+
+
+def present_formula(rows, order, weights, dtype):
+    """Each row's present choices' outputs, weighted and summed in fp32 (the absent ones count nothing)."""
+    T, k = weights.shape
+    unsorted = rows.new_zeros(T * k, rows.shape[1]).index_copy(0, order[:rows.shape[0]], rows)
+    return (weights.unsqueeze(-1) * unsorted.view(T, k, -1).float()).sum(1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_interpreted_kernels_skip_absent_choices(ik, dtype, tol):
+    """Slots past the rows (choices absent from a relay's node) read nothing, count zero and take no gradient."""
+    T, k, L = 9, 4, 70
+    order, present, rows, weights = present_routing(T, k, 3, L, dtype=dtype, seed=4)
+    assert 0 < present < T * k
+    slots = rc.routing_slots(order, k)
+    rows64, w64 = rows.double().requires_grad_(), weights.double().requires_grad_()
+    ref = present_formula(rows64, order, w64, torch.float64)
+    cot = torch.randn(T, L).to(dtype)
+    ref.backward(cot.double())
+    out = ik.routed_combine.gather_sum(rows, slots, weights, dtype)
+    d_rows, d_w = ik.routed_combine.gather_sum_backward(cot, rows, slots, weights)
+    assert d_rows.shape == rows.shape
+    assert rel_err(out, ref) < tol and rel_err(d_rows, rows64.grad) < tol and rel_err(d_w, w64.grad) < max(tol, 1e-5)
+
+
+def test_present_ops_match_their_formulas_forward_and_backward():
+    """dispatch_present, combine_present and sum_present (the reference paths, and the custom op that the triton
+    backend runs, on CPU) against the explicit formulas, fp32, forward and backward."""
+    T, k, L = 8, 4, 12
+    order, present, rows, weights = present_routing(T, k, 3, L, seed=6)
+    routing = rc.RowRouting(order, k, None)
+    x = torch.randn(T, L, requires_grad=True)
+    sent = rc.dispatch_present(x, routing, present)
+    assert torch.equal(sent, x[order[:present] // k])
+    with pytest.raises(ValueError, match="present rows"):
+        rc.dispatch_present(x, routing, T * k + 1)
+
+    cot = torch.randn(T, L)
+    w_a, w_b = weights.clone().requires_grad_(), weights.clone().requires_grad_()
+    r_a, r_b, r_c = (rows.clone().requires_grad_() for _ in range(3))
+    ref = present_formula(r_a, order, w_a, torch.float32)
+    ours = rc.combine_present(r_b, routing, w_b, torch.float32)
+    op = rc.routed_gather_sum_op(r_c, rc.routing_slots(order, k), weights, torch.float32)
+    assert rel_err(ours, ref) < 1e-6 and rel_err(op, ref) < 1e-6
+    for t in (ref, ours, op):
+        t.backward(cot)
+    assert rel_err(r_b.grad, r_a.grad) < 1e-6 and rel_err(w_b.grad, w_a.grad) < 1e-6
+    assert rel_err(r_c.grad, r_a.grad) < 1e-6
+
+    # a token's (token, node) pairs: 5 tokens on 3 nodes, pairs listed node by node
+    hit = torch.tensor([[1, 0, 1], [0, 0, 1], [1, 1, 1], [0, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    pair_node, pair_token = torch.nonzero(hit.t(), as_tuple=True)
+    listed = hit.t().reshape(-1)
+    slots = torch.where(listed, torch.cumsum(listed, 0) - 1, pair_token.numel()).view(3, 5).t().contiguous()
+    pairs = torch.randn(pair_token.numel(), L)
+    expected = torch.zeros(5, L).index_add(0, pair_token, pairs)
+    assert rel_err(rc.sum_present(pairs, pair_token, slots, torch.float32), expected) < 1e-6
+    assert rel_err(rc.routed_gather_sum_op(pairs, slots, None, torch.float32), expected) < 1e-6
 
 
 # ------------------------------------------------------------------------------------------------ GPU

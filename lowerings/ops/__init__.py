@@ -9,7 +9,8 @@ from lowerings.ops.kda import kda
 from lowerings.ops.kda_cp import kda_context_parallel
 from lowerings.ops.linear_cross_entropy import IGNORE_INDEX, linear_cross_entropy
 from lowerings.ops.registry import configure_backends, known_ops, op_backends, selected_backend
-from lowerings.ops.routed_combine import combine_rows, dispatch_rows, route_rows
+from lowerings.ops.routed_combine import (combine_present, combine_rows, dispatch_present, dispatch_rows,
+                                          route_rows, sum_present)
 from lowerings.ops.router_logits import router_logits
 from lowerings.ops.short_conv import short_conv
 from lowerings.ops.situ_glu import situ_glu
@@ -20,9 +21,11 @@ __all__ = [
     "attn_res_mix",
     "IGNORE_INDEX",
     "causal_attention",
+    "combine_present",
     "combine_rows",
     "configure_backends",
     "dense_indexer_kl",
+    "dispatch_present",
     "dispatch_rows",
     "document_causal_mask",
     "indexer_scores_at",
@@ -32,6 +35,7 @@ __all__ = [
     "known_ops",
     "linear_cross_entropy",
     "route_rows",
+    "sum_present",
     "router_logits",
     "op_backends",
     "selected_backend",

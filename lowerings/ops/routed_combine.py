@@ -61,6 +61,44 @@ def dispatch_rows(x: torch.Tensor, routing: RowRouting) -> torch.Tensor:
     return routed_dispatch_op(x, order, slots, top_k)
 
 
+def dispatch_present(x: torch.Tensor, routing: RowRouting, present: int) -> torch.Tensor:
+    """``dispatch_rows``' first ``present`` rows: where choices absent from this rank sort after the present ones
+    (a relay of the hierarchical dispatch), only those are made; a token's gradient sums its present rows'."""
+    order, top_k, slots = routing
+    if order.shape[0] != x.shape[0] * top_k or not 0 <= present <= order.shape[0]:
+        raise ValueError(f"dispatch_present: order has {order.shape[0]} entries, expected T * k = "
+                         f"{x.shape[0]} * {top_k}, and {present} present rows of them")
+    if slots is None:
+        return x.index_select(0, order[:present] // top_k)
+    return routed_dispatch_op(x, order[:present], slots, top_k)
+
+
+def combine_present(rows: torch.Tensor, routing: RowRouting, weights: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``combine_rows`` of the first ``N = rows.shape[0]`` expert-ordered rows, the absent choices' (past them)
+    counting zero: ``[T, L]`` in ``dtype``, summed in fp32."""
+    order, _, slots = routing
+    T, k = weights.shape
+    if rows.shape[0] > T * k or order.shape[0] != T * k:
+        raise ValueError(f"combine_present: {rows.shape[0]} rows and {order.shape[0]} order entries, expected at "
+                         f"most and exactly T * k = {T} * {k} (weights {tuple(weights.shape)})")
+    if slots is None:  # each present row weighted, added into its token in fp32 (T * k rows would not fit)
+        present = order[:rows.shape[0]]
+        weighted = rows.float() * weights.reshape(-1).index_select(0, present).unsqueeze(1)
+        return weighted.new_zeros(T, rows.shape[1]).index_add(0, present // k, weighted).to(dtype)
+    return routed_gather_sum_op(rows, slots, weights, dtype)
+
+
+def sum_present(rows: torch.Tensor, owner: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, L]`` in ``dtype``: each of ``T = slots.shape[0]`` outputs sums (in fp32) its rows: row ``i`` belongs
+    to output ``owner[i]``, and ``slots [T, K]`` lists each output's rows (a slot at or past ``rows.shape[0]``
+    names none; every row is listed once). The hierarchical dispatch's sum of a token's (token, node) pairs."""
+    if _fused(rows):
+        return routed_gather_sum_op(rows, slots, None, dtype)
+    total = rows.new_zeros(slots.shape[0], rows.shape[1], dtype=torch.float32)
+    return total.index_add(0, owner, rows.float()).to(dtype)
+
+
 def combine_rows(rows: torch.Tensor, routing: RowRouting, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Expert-ordered ``rows [T * k, L]`` -> ``[T, L]`` in ``dtype``: ``sum_j weights[t, j] row(t, j)`` in fp32."""
     order, _, slots = routing
@@ -77,8 +115,14 @@ def combine_rows(rows: torch.Tensor, routing: RowRouting, weights: torch.Tensor,
 
 # ------------------------------------------------------------------------------------------- the custom ops
 
+def _with_absent_row(rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` with one zero row appended, and ``slots`` with the absent ones (at or past the rows) pointing at it."""
+    return torch.cat([rows, rows.new_zeros(1, rows.shape[1])]), slots.clamp(max=rows.shape[0])
+
+
 def gather_sum_reference(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None,
                          dtype: torch.dtype) -> torch.Tensor:
+    rows, slots = _with_absent_row(rows, slots)
     gathered = rows[slots].float()  # [T, k, L]
     if weights is not None:
         gathered = weights.unsqueeze(-1).float() * gathered
@@ -88,9 +132,10 @@ def gather_sum_reference(rows: torch.Tensor, slots: torch.Tensor, weights: torch
 def gather_sum_backward_reference(grad: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
                                   weights: torch.Tensor) -> list[torch.Tensor]:
     g = grad.float().unsqueeze(1)  # [T, 1, L]
-    d_rows = torch.empty_like(rows)
+    padded, slots = _with_absent_row(rows, slots)
+    d_rows = torch.empty_like(padded)
     d_rows[slots.reshape(-1)] = (weights.float().unsqueeze(-1) * g).to(rows.dtype).flatten(0, 1)
-    return [d_rows, (g * rows[slots].float()).sum(-1)]
+    return [d_rows[:-1], (g * padded[slots].float()).sum(-1)]
 
 
 @torch.library.custom_op("titan_kimi::routed_gather_sum", mutates_args=())

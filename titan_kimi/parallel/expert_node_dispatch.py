@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
+from lowerings import ops
 from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
 from titan_kimi.parallel.expert_parallel import ExpertShardGroupedExperts, expert_shard_class, routed_rows_style
 from titan_kimi.parallel.overlapped_exchange import all_to_all_alongside, wait_tensor
@@ -64,8 +65,10 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
                                                                      recv_splits, send_splits, alongside)
         sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
         back = self._from_relays(sums, send_splits, recv_splits)
-        total = back.new_zeros(tokens, back.shape[1], dtype=torch.float32)
-        return total.index_add(0, pair_token, back.float()).to(dtype), shared
+        # each token's pairs: the (node, token) hits in the order nonzero_static listed them; a miss names no row
+        listed = hit.t().reshape(-1)
+        pair_of = torch.where(listed, torch.cumsum(listed, 0) - 1, back.shape[0]).view(nodes, tokens).t()
+        return ops.sum_present(back, pair_token, pair_of.contiguous(), dtype), shared
 
     # The level across nodes: its exchanges apart from the local work above (the rank-slice benchmark's stand-in,
     # titan_kimi.parallel.rank_slice.local_experts, replaces these four with local moves).
@@ -103,12 +106,12 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         counts = torch.histc(key.float(), bins=per_node + 1, min=0, max=per_node + 1).to(torch.int64)
         style, node = self.node_style, self.node
         present = style.exchange_splits(counts[:per_node], node)  # the node level's one host sync
-        order = torch.argsort(key, stable=True)[:present]
-        source = order // experts.shape[1]  # each present choice's row
-        routed, local_counts = style.send_rows(rows.index_select(0, source), node)
+        # the present choices sort first: rows for them alone, their outputs summed per row with the absent ones'
+        # weights zero (the routed_combine op's kernels where they run)
+        routing = ops.route_rows(torch.argsort(key, stable=True), experts.shape[1])
+        routed, local_counts = style.send_rows(ops.dispatch_present(rows, routing, present), node)
         out = style._token_combine(self, self(routed, local_counts), node)  # FSDP gathers around the call
-        weighted = out.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1)
-        return weighted.new_zeros(rows.shape[0], out.shape[1]).index_add(0, source, weighted).to(dtype)
+        return ops.combine_present(out, routing, weights, dtype)
 
 
 def _exchange(counts: torch.Tensor, group) -> torch.Tensor:
