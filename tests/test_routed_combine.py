@@ -197,6 +197,33 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_kernels_skip_absent_choices_at_a_relays_shape():
+    """A relay of k31's hierarchical dispatch at EP128 (16 nodes of 8): ~11,900 (token, node) rows x top-16
+    choices, those of its node present (~18,400), latent 3,584, bf16, against the fp32 formula."""
+    from lowerings.kernels.routed_combine import gather_sum, gather_sum_backward
+
+    torch.manual_seed(7)
+    P, k, L = 11900, 16, 3584
+    experts = torch.rand(P, 896, device="cuda").topk(k, dim=-1).indices
+    here = torch.rand(P, k, device="cuda") < 0.097  # ~1.55 of a row's 16 choices on the relay's node
+    key = torch.where(here, experts % 56, 56).view(-1)  # its 56 experts, the absent choices last
+    order = torch.argsort(key, stable=True)
+    present = int(here.sum())
+    weights = torch.where(here, torch.rand(P, k, device="cuda"), 0.0)
+    rows = torch.randn(present, L, device="cuda", dtype=torch.bfloat16)
+    rows32, w32 = rows.float().requires_grad_(), weights.clone().requires_grad_()
+    unsorted = rows32.new_zeros(P * k, L).index_copy(0, order[:present], rows32)
+    ref = (w32.unsqueeze(-1) * unsorted.view(P, k, L)).sum(1)
+    cot = torch.randn(P, L, device="cuda", dtype=torch.bfloat16)
+    ref.backward(cot.float())
+    slots = rc.routing_slots(order, k)
+    assert rel_err(gather_sum(rows, slots, weights, torch.bfloat16), ref) < 1e-2
+    d_rows, d_w = gather_sum_backward(cot, rows, slots, weights)
+    assert rel_err(d_rows, rows32.grad) < 1e-2 and rel_err(d_w, w32.grad) < 1e-4
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_kernels_at_the_k31_rank_shape():
     """4,096 tokens x top-16 rows of the 3,584-wide latent (k31.toml's microbatch on one EP rank's view), bf16."""
     T, k, L = 4096, 16, 3584
@@ -268,6 +295,27 @@ def test_latent_moe_through_the_custom_ops_matches_the_indexing(monkeypatch):
     torch.manual_seed(0)
     moe = LatentMoE(model_args_for("k3_debug"))
     moe.init_weights()
+    x = torch.randn(2, 9, moe.router.gate.in_features)
+    monkeypatch.setattr(rc, "on_cuda", lambda t: True)
+    results = moe_results_per_backend(moe, x)
+    for ours, ref in zip(results["triton"], results["reference"]):
+        assert rel_err(ours, ref) < 1e-6
+
+
+def test_hierarchical_dispatch_through_the_custom_ops_matches_the_indexing(monkeypatch, one_rank_group):
+    """The hierarchical dispatch (one rank standing for both levels, padding tokens among the rows) with the
+    triton backend's custom ops (their CPU bodies: the relay's present rows, its weighted sums with absent choices,
+    each token's sum over its nodes) against the reference's indexing and fp32 index_add: output and every
+    gradient, fp32."""
+    from test_overlapped_exchange import dispatch_by_node_on_one_rank
+
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+
+    torch.manual_seed(2)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    dispatch_by_node_on_one_rank(moe, "cpu")
     x = torch.randn(2, 9, moe.router.gate.in_features)
     monkeypatch.setattr(rc, "on_cuda", lambda t: True)
     results = moe_results_per_backend(moe, x)
