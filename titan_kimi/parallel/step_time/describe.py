@@ -66,7 +66,9 @@ def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) 
     if probe.layout.cp == 1:  # the configured layout itself with its rows trimmed
         here = cut.estimate(probe.layout)
         if here.step_s and probe.step_s:
-            head += f"; the configured layout {here.step_s:.3g} s ({probe.step_s / here.step_s:.2f}x its step)"
+            over = "" if fits(here, limit) else (f", {here.memory_gib:.1f} GiB: over {limit:g}"
+                                                 if here.memory_gib is not None else ", memory unknown")
+            head += f"; the configured layout {here.step_s:.3g} s ({probe.step_s / here.step_s:.2f}x its step{over})"
     fit = [e for e in sweep(cut, probe.layout.world_size)[0] if fits(e, limit)]
     if not fit:
         return [f"{head}; no such layout fits in {limit:g} GiB at {probe.layout.world_size} GPUs"]
