@@ -39,6 +39,22 @@ def test_measured_load_file(tmp_path):
     assert load.rows == round(64 * 2 * 2 * 12 / 16) and load.rank_factor == pytest.approx(1.5)
 
 
+def holding(moe: LatentMoE) -> torch.nn.Module:
+    """A model stand-in whose one layer holds ``moe`` (what ``localize_experts`` walks)."""
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    holder.layers["0"].moe_enabled, holder.layers["0"].moe = True, moe
+    return holder
+
+
+def assert_same_output_and_input_gradient(ref: torch.Tensor, out: torch.Tensor, x: torch.Tensor) -> None:
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    g = torch.randn_like(ref)
+    (grad_ref,) = torch.autograd.grad(ref, x, g)
+    (grad_out,) = torch.autograd.grad(out, x, g)
+    assert ((grad_out - grad_ref).norm() / grad_ref.norm()).item() < 1e-5
+
+
 def test_local_dispatch_matches_the_moe_when_it_receives_its_own_rows():
     """With one EP rank receiving exactly the rows it routed, the local dispatch (torchtitan's permutation and
     alignment, the expert-shard forward, the unpermutation) computes the MoE's own output and gradients."""
@@ -51,17 +67,8 @@ def test_local_dispatch_matches_the_moe_when_it_receives_its_own_rows():
     with torch.no_grad():
         _, indices = moe.router(x.view(-1, args.dim))
     counts = torch.bincount(indices.view(-1), minlength=args.num_experts).view(1, -1)
-    holder = torch.nn.Module()
-    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
-    holder.layers["0"].moe_enabled, holder.layers["0"].moe = True, local
-    localize_experts(holder, ExpertLoad(counts, "measured", 1.0, 1.0))
-    ref, out = moe(x), local(x)
-    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
-    g = torch.randn_like(ref)
-    (grad_ref,) = torch.autograd.grad(ref, x, g)
-    (grad_out,) = torch.autograd.grad(out, x, g)
-    assert ((grad_out - grad_ref).norm() / grad_ref.norm()).item() < 1e-5
-
+    localize_experts(holding(local), ExpertLoad(counts, "measured", 1.0, 1.0))
+    assert_same_output_and_input_gradient(moe(x), local(x), x)
 
 
 def test_hierarchical_stand_in_matches_the_moe_when_it_receives_its_own_rows():
@@ -88,29 +95,17 @@ def test_hierarchical_stand_in_matches_the_moe_when_it_receives_its_own_rows():
     node_local = (indices % (E // nodes))[is_real]  # node rank * local + local index
     counts = torch.zeros(node_size, nodes, local, dtype=torch.int64)
     counts[:, 0] = torch.bincount(node_local.view(-1), minlength=E // nodes).view(node_size, local)
-    holder = torch.nn.Module()
-    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
-    holder.layers["0"].moe_enabled, holder.layers["0"].moe = True, stand_in
-    (exchange,) = localize_experts(holder, ExpertLoad(counts.view(ep, local), "measured", 1.0, 1.0),
+    (exchange,) = localize_experts(holding(stand_in), ExpertLoad(counts.view(ep, local), "measured", 1.0, 1.0),
                                    node_size=node_size)
     assert exchange.sources == node_size and type(stand_in.experts).__name__.startswith("LocalNodeDispatch")
-    ref, out = moe(x, is_real), stand_in(x, is_real)
-    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
-    g = torch.randn_like(ref)
-    (grad_ref,) = torch.autograd.grad(ref, x, g)
-    (grad_out,) = torch.autograd.grad(out, x, g)
-    assert ((grad_out - grad_ref).norm() / grad_ref.norm()).item() < 1e-5
+    assert_same_output_and_input_gradient(moe(x, is_real), stand_in(x, is_real), x)
 
 
 def test_hierarchical_stand_in_refuses_nodes_that_do_not_split_the_group():
     args = model_args_for("k31_debug")
-    moe = LatentMoE(args)
-    holder = torch.nn.Module()
-    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
-    holder.layers["0"].moe_enabled, holder.layers["0"].moe = True, moe
     load = balanced_load(tokens=32, top_k=args.num_experts_per_tok, num_experts=args.num_experts, ep=4)
     with pytest.raises(ValueError, match="over nodes of 3 ranks: expert_parallel_degree 4 is not 2"):
-        localize_experts(holder, load, node_size=3)
+        localize_experts(holding(LatentMoE(args)), load, node_size=3)
 
 TINY_SLICE = ["--config", "train_configs/k31.toml", "--world-size", "4", "--warmup", "0", "--repeats", "1",
               "--steps", "1", "--loads", "balanced", "zipf:0.5", "--model.flavor", "k31_debug",

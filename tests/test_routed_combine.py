@@ -86,20 +86,29 @@ def test_wrappers_reject_mismatched_shapes():
         rc.combine_rows(rows[:-2], rc.route_rows(order, 2), weights, torch.float32)
 
 
+def assert_kernels_match(kernels, rows, order, weights, formula, dtype, tol, *, ref_dtype=torch.float64,
+                         weights_tol: float | None = None) -> torch.Tensor:
+    """``kernels``' gather-sum (the interpreted or the GPU module), forward and backward, against ``formula`` in
+    ``ref_dtype`` on a fresh cotangent; returns the slots."""
+    T, k = weights.shape
+    slots = rc.routing_slots(order, k)
+    rows_r, w_r = rows.to(ref_dtype).requires_grad_(), weights.to(ref_dtype).requires_grad_()
+    ref = formula(rows_r, order, w_r, ref_dtype)
+    cot = torch.randn(T, rows.shape[1], device=rows.device).to(dtype)
+    ref.backward(cot.to(ref_dtype))
+    out = kernels.gather_sum(rows, slots, weights, dtype)
+    d_rows, d_w = kernels.gather_sum_backward(cot, rows, slots, weights)
+    assert out.dtype == dtype and d_rows.dtype == dtype and d_rows.shape == rows.shape and d_w.dtype == torch.float32
+    assert rel_err(out, ref) < tol and rel_err(d_rows, rows_r.grad) < tol
+    assert rel_err(d_w, w_r.grad) < (max(tol, 1e-5) if weights_tol is None else weights_tol)
+    return slots
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_interpreted_kernels_match_the_reference(ik, dtype, tol):
     T, k, L = 13, 4, 150  # L not a multiple of the column block
     order, rows, weights, x = routing(T, k, 10, L, dtype=dtype, seed=3)
-    slots = rc.routing_slots(order, k)
-    rows64, w64 = rows.double().requires_grad_(), weights.double().requires_grad_()
-    ref = reference_combine(rows64, order, w64, torch.float64)
-    cot = torch.randn(T, L).to(dtype)
-    ref.backward(cot.double())
-
-    out = ik.routed_combine.gather_sum(rows, slots, weights, dtype)
-    d_rows, d_w = ik.routed_combine.gather_sum_backward(cot, rows, slots, weights)
-    assert out.dtype == dtype and d_rows.dtype == dtype and d_w.dtype == torch.float32
-    assert rel_err(out, ref) < tol and rel_err(d_rows, rows64.grad) < tol and rel_err(d_w, w64.grad) < max(tol, 1e-5)
+    slots = assert_kernels_match(ik.routed_combine, rows, order, weights, reference_combine, dtype, tol)
 
     # unweighted, into another dtype: the dispatch's gradient (each token's rows summed)
     summed = ik.routed_combine.gather_sum(rows, slots, None, torch.float32)
@@ -144,15 +153,7 @@ def test_interpreted_kernels_skip_absent_choices(ik, dtype, tol):
     T, k, L = 9, 4, 70
     order, present, rows, weights = present_routing(T, k, 3, L, dtype=dtype, seed=4)
     assert 0 < present < T * k
-    slots = rc.routing_slots(order, k)
-    rows64, w64 = rows.double().requires_grad_(), weights.double().requires_grad_()
-    ref = present_formula(rows64, order, w64, torch.float64)
-    cot = torch.randn(T, L).to(dtype)
-    ref.backward(cot.double())
-    out = ik.routed_combine.gather_sum(rows, slots, weights, dtype)
-    d_rows, d_w = ik.routed_combine.gather_sum_backward(cot, rows, slots, weights)
-    assert d_rows.shape == rows.shape
-    assert rel_err(out, ref) < tol and rel_err(d_rows, rows64.grad) < tol and rel_err(d_w, w64.grad) < max(tol, 1e-5)
+    assert_kernels_match(ik.routed_combine, rows, order, weights, present_formula, dtype, tol)
 
 
 def test_present_ops_match_their_formulas_forward_and_backward():
@@ -200,7 +201,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_kernels_skip_absent_choices_at_a_relays_shape():
     """A relay of k31's hierarchical dispatch at EP128 (16 nodes of 8): ~11,900 (token, node) rows x top-16
     choices, those of its node present (~18,400), latent 3,584, bf16, against the fp32 formula."""
-    from lowerings.kernels.routed_combine import gather_sum, gather_sum_backward
+    from lowerings.kernels import routed_combine as kernels
 
     torch.manual_seed(7)
     P, k, L = 11900, 16, 3584
@@ -211,15 +212,8 @@ def test_gpu_kernels_skip_absent_choices_at_a_relays_shape():
     present = int(here.sum())
     weights = torch.where(here, torch.rand(P, k, device="cuda"), 0.0)
     rows = torch.randn(present, L, device="cuda", dtype=torch.bfloat16)
-    rows32, w32 = rows.float().requires_grad_(), weights.clone().requires_grad_()
-    unsorted = rows32.new_zeros(P * k, L).index_copy(0, order[:present], rows32)
-    ref = (w32.unsqueeze(-1) * unsorted.view(P, k, L)).sum(1)
-    cot = torch.randn(P, L, device="cuda", dtype=torch.bfloat16)
-    ref.backward(cot.float())
-    slots = rc.routing_slots(order, k)
-    assert rel_err(gather_sum(rows, slots, weights, torch.bfloat16), ref) < 1e-2
-    d_rows, d_w = gather_sum_backward(cot, rows, slots, weights)
-    assert rel_err(d_rows, rows32.grad) < 1e-2 and rel_err(d_w, w32.grad) < 1e-4
+    assert_kernels_match(kernels, rows, order, weights, present_formula, torch.bfloat16, 1e-2,
+                         ref_dtype=torch.float32, weights_tol=1e-4)
 
 
 @pytest.mark.gpu
@@ -228,17 +222,11 @@ def test_gpu_kernels_at_the_k31_rank_shape():
     """4,096 tokens x top-16 rows of the 3,584-wide latent (k31.toml's microbatch on one EP rank's view), bf16."""
     T, k, L = 4096, 16, 3584
     order, rows, weights, x = routing(T, k, 896, L, dtype=torch.bfloat16, device="cuda", seed=5)
-    rows32, w32 = rows.float().requires_grad_(), weights.clone().requires_grad_()
-    ref = reference_combine(rows32, order, w32, torch.float32)
-    cot = torch.randn(T, L, device="cuda", dtype=torch.bfloat16)
-    ref.backward(cot.float())
-    from lowerings.kernels.routed_combine import gather_sum, gather_sum_backward
+    from lowerings.kernels import routed_combine as kernels
 
-    slots = rc.routing_slots(order, k)
-    assert rel_err(gather_sum(rows, slots, weights, torch.bfloat16), ref) < 1e-2
-    d_rows, d_w = gather_sum_backward(cot, rows, slots, weights)
-    assert rel_err(d_rows, rows32.grad) < 1e-2 and rel_err(d_w, w32.grad) < 1e-4
-    assert rel_err(gather_sum(rows, slots, None, torch.float32), rows.float()[slots].sum(1)) < 1e-5
+    slots = assert_kernels_match(kernels, rows, order, weights, reference_combine, torch.bfloat16, 1e-2,
+                                 ref_dtype=torch.float32, weights_tol=1e-4)
+    assert rel_err(kernels.gather_sum(rows, slots, None, torch.float32), rows.float()[slots].sum(1)) < 1e-5
 
 
 @pytest.mark.gpu
