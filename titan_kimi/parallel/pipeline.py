@@ -231,7 +231,7 @@ class PipelineRunner:
         if self.prefetch_weights and backward and self._steps:
             self._prefetch()
         self._steps += 1
-        self._at_length(batch["doc_ids"].shape[1])
+        self._at_length(batch["labels"].shape[1])  # this rank's tokens of each row (doc_ids stay whole under CP)
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         args = (batch["input_ids"],) if self.has_first else ()
         if self.has_first and self.images is not None:
