@@ -1,7 +1,7 @@
 """The image-text recipes end to end on CPU: falling loss with and without LoRA, adapter files, FSDP2 + LoRA on
 two processes against one, LoRA at PP2 against one process (adapters merged and exported, also by the pipelined
-run's own final HF save), rows cut after their last real token (in one process, under FSDP x EP2 and under PP2),
-and the one-H200 recipe at reduced size.
+run's own final HF save), rows cut after their last real token (in one process, under FSDP x EP2 and under PP2;
+the text recipe's HellaSwag rows under CP2), and the one-H200 recipe at reduced size.
 
 The runs are one table (tests/train_runs.py), launched once per module: one launch per world size."""
 
@@ -38,6 +38,11 @@ EXPORT = ("--checkpoint.enable", "true", "--checkpoint.last_save_in_hf", "true",
 TRIMMED = (*MEDPIX, "--model.dtype", "float32", "--training.mixed_precision", "false", "--training.steps", "4",
            "--training.local_batch_size", "2", "--data.shuffle", "false", "--metrics.log_freq", "1",
            "--training.pad_to_multiple_of")
+# the text debug recipe on HellaSwag's padded rows (3 steps of 2 rows in order, fp32), cut to multiples of 8
+TEXT_TRIMMED = ("--job.config_file", "train_configs/k3_debug.toml", "--data.dataset", "hellaswag", "--model.dtype",
+                "float32", "--training.mixed_precision", "false", "--training.steps", "3", "--lr_scheduler.warmup_steps",
+                "1", "--training.local_batch_size", "2", "--data.shuffle", "false", "--metrics.log_freq", "1",
+                "--training.seq_len", "128", "--training.pad_to_multiple_of", "8")
 EP2_MIXED = (*MEDPIX, "--training.steps", "4", "--training.local_batch_size", "2", "--data.shuffle", "false",
              "--metrics.log_freq", "1", "--parallelism.expert_parallel_degree", "2", "--training.pad_to_multiple_of")
 RUNS = {
@@ -53,6 +58,9 @@ RUNS = {
     # the same 4 steps with every micro-batch at seq_len, and cut after its last real token
     "rows_whole": Run(0, (*TRIMMED, "0")),
     "rows_trimmed": Run(0, (*TRIMMED, "4")),
+    # cut under CP2 (zigzag: 4 chunks of each trimmed row), against one process
+    "text_rows_trimmed": Run(0, TEXT_TRIMMED),
+    "cp2_text_rows_trimmed": Run(2, (*TEXT_TRIMMED, "--parallelism.context_parallel_degree", "2")),
     # cut under PP2: each new length gets its stages' static shapes
     "pp2_rows_trimmed": Run(2, (*TRIMMED, "4", "--parallelism.pipeline_parallel_degree", "2")),
     # two processes, FSDP x EP2, the recipe's mixed precision: whole rows, and cut (ranks cut to their own lengths)
@@ -230,6 +238,19 @@ def test_trimmed_rows_train_under_pipeline_parallelism_as_in_one_process(runs):
     assert len({m["tokens"] for m in pp2}) > 1  # the length changed between steps
     assert pp2[0]["loss"] == pytest.approx(single[0]["loss"], rel=1e-5)
     for a, b in zip(pp2, single):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
+
+
+def test_trimmed_rows_train_under_context_parallelism_as_in_one_process(runs):
+    """HellaSwag rows cut to 80 and 64 tokens, each split into CP2's zigzag chunks: the first step's loss and
+    gradient norm are the one process's (fp32), the next steps within fp32's summation-order drift."""
+    cp2, single = runs.rows("cp2_text_rows_trimmed"), runs.rows("text_rows_trimmed")
+    assert len(cp2) == len(single) == 3
+    assert [m["tokens"] for m in cp2] == [m["tokens"] for m in single]
+    assert len({m["tokens"] for m in cp2}) > 1 and all(m["tokens"] < 2 * 128 for m in cp2)
+    assert cp2[0]["loss"] == pytest.approx(single[0]["loss"], rel=1e-6)
+    assert cp2[0]["grad_norm"] == pytest.approx(single[0]["grad_norm"], rel=1e-5)
+    for a, b in zip(cp2[1:], single[1:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a, b)
 
 

@@ -341,7 +341,7 @@ def test_dry_run_names_the_fastest_layout_with_trimmed_rows_where_rows_end_in_pa
     rows = ("--training.seq_len", "256", "--step_time.rows", "padded:100")
     out = run_main(capsys, *STEP_TIME, *rows)
     hint = next(line for line in out.splitlines() if line.startswith("# rows hold "))
-    assert hint.startswith("# rows hold 100 real tokens of 256: with --training.pad_to_multiple_of 128 (no CP) "
+    assert hint.startswith("# rows hold 100 real tokens of 256: with --training.pad_to_multiple_of 128 "
                            "they run at 128; the configured layout ")
     # the configured PP2 layout with trimmed rows, then the fastest layout that fits with them
     assert re.search(r"the configured layout [\d.]+ s \((\d+\.\d\d)x its step\); the fastest that fits: pp ", hint)

@@ -39,20 +39,26 @@ def test_trim_cuts_after_the_last_real_token_of_any_row_and_keeps_interior_paddi
     assert trim_padding(batch, 16) is batch  # rounded up past seq_len: whole rows
 
 
-def test_pad_to_multiple_of_is_rejected_with_context_parallelism_only():
+def test_pad_to_multiple_of_takes_pipelines_and_context_parallel_chunks():
+    """Any multiple under pipeline parallelism (each length gets its stages); under context parallelism a multiple
+    of the row's chunks (every trimmed length must split into them), else a clear error."""
     from titan_kimi.config import JobConfig
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.parallel.layout import resolve_layout
 
-    def job(**parallelism):
+    def job(multiple=128, **parallelism):
         cfg = JobConfig()
         cfg.parallelism = dataclasses.replace(cfg.parallelism, **parallelism)
-        cfg.training = dataclasses.replace(cfg.training, local_batch_size=4, seq_len=4096, pad_to_multiple_of=128)
+        cfg.training = dataclasses.replace(cfg.training, local_batch_size=4, seq_len=4096, pad_to_multiple_of=multiple)
         return cfg
 
     args = model_args_for("k3")
-    assert resolve_layout(job(pipeline_parallel_degree=2), 16, args).pp == 2  # each length gets its stages
-    with pytest.raises(ValueError, match=r"training.pad_to_multiple_of = 128: with "
-                                         r"parallelism.context_parallel_degree = 2: trimming rows"):
-        resolve_layout(job(context_parallel_degree=2), 16, args)
+    assert resolve_layout(job(pipeline_parallel_degree=2), 16, args).pp == 2
+    assert resolve_layout(job(context_parallel_degree=2), 16, args).cp == 2  # 128: 4 zigzag chunks of 32
+    assert resolve_layout(job(4, context_parallel_degree=4, context_parallel_layout="contiguous"), 16, args).cp == 4
+    with pytest.raises(ValueError, match=r"training.pad_to_multiple_of = 6: cannot cut rows into 4 equal chunks for "
+                                         r"parallelism.context_parallel_degree = 2 with "
+                                         r"parallelism.context_parallel_layout = \"zigzag\".*valid: 0, or a "
+                                         r"multiple of 4"):
+        resolve_layout(job(6, context_parallel_degree=2), 16, args)
     assert resolve_layout(job(), 16, args).pp == 1

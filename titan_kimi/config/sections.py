@@ -78,8 +78,8 @@ class Training:
         0, "0 = every batch runs at seq_len, padding included (as the padded datasets fill their rows); N > 0 = each "
         "micro-batch runs only up to its rows' last real token, rounded up to a multiple of N (at most seq_len), so "
         "the padding after it costs nothing (the batch's length then changes from step to step; compiled regions "
-        "see it as a dynamic size; a pipeline builds its stages' buffers for each new length). Needs "
-        "context_parallel_degree 1",
+        "see it as a dynamic size; a pipeline builds its stages' buffers for each new length). Under context "
+        "parallelism a multiple of the row's chunks (2 x context_parallel_degree zigzag, x 1 contiguous)",
         bounds=at_least(0))
     max_norm: float = option(1.0, "gradient-norm clipping threshold", bounds=above(0))
     nonfinite_grad_policy: str = option(

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import math
 
+from titan_kimi.config.parallelism import cp_chunks
 from titan_kimi.config.rules import checkpoints_every_block
 from titan_kimi.config.validation import validate_job_config
 from titan_kimi.parallel.layout import ParallelLayout, resolve_layout
@@ -50,7 +51,7 @@ TRIM_MULTIPLE = 128  # the hint's training.pad_to_multiple_of: few compiled leng
 
 def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) -> list[str]:
     """Where the rows end in padding and the config runs them whole: the fastest layout that fits at the
-    configured GPU count with ``training.pad_to_multiple_of`` set (it needs no CP)."""
+    configured GPU count with ``training.pad_to_multiple_of`` set."""
     t = cfg.training
     if t.pad_to_multiple_of:
         return [f"step time: rows run at {model.row_len} of {t.seq_len} tokens (training.pad_to_multiple_of = "
@@ -62,8 +63,8 @@ def _trimmed_rows(cfg, model: StepTimeModel, probe: StepEstimate, limit: float) 
         return []
     real = round(cut.real_fraction * cut.row_len)
     head = (f"rows hold {real} real tokens of {t.seq_len}: with --training.pad_to_multiple_of {TRIM_MULTIPLE} "
-            f"(no CP) they run at {cut.row_len}")
-    if probe.layout.cp == 1:  # the configured layout itself with its rows trimmed
+            f"they run at {cut.row_len}")
+    if TRIM_MULTIPLE % cp_chunks(probe.layout.cp_layout, probe.layout.cp) == 0:  # the configured layout, trimmed
         here = cut.estimate(probe.layout)
         if here.step_s and probe.step_s:
             over = "" if fits(here, limit) else (f", {here.memory_gib:.1f} GiB: over {limit:g}"
