@@ -439,20 +439,27 @@ NO_PP_EP128 = ("--max-layers", "4", "--loads", "balanced", "--compile.mode", "de
 
 def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
     # The layout the estimate recommends for k31.toml at 256 GPUs (FSDP 256 x EP128 hierarchical, no PP), its
-    # first 4 layers compiled, under full, none and mixers checkpointing, each one's entries merged into a copy of
-    # the shipped table (the estimate reads them for blocks out of checkpointing and for mixers jobs), and full's
-    # kernel profile (where a layer's time goes beside its GEMMs).
+    # first 4 layers compiled, with that dispatch's own local work: under full (with the kernel profile: where a
+    # layer's time goes beside its GEMMs, and each item's host time), none and mixers checkpointing, each one's
+    # entries merged into a copy of the shipped table (the estimate reads them for blocks out of checkpointing and
+    # for mixers jobs); the routed_combine backends on its sums (A/B); the flat dispatch's full entries beside.
     folder.mkdir(parents=True, exist_ok=True)
     table = folder / "step_time_h200.json"
     shutil.copy(ROOT / "titan_kimi/parallel/step_time_h200.json", table)
     for name, extra in (("full", ("--parts", "layers", "profile")),
                         ("none", ("--activation_checkpoint.mode", "none", "--parts", "layers")),
                         ("mixers", ("--activation_checkpoint.mode", "selective", "--activation_checkpoint."
-                                    "selective_ac_option", "mixers", "--parts", "layers"))):
+                                    "selective_ac_option", "mixers", "--parts", "layers")),
+                        ("flat_full", ("--parallelism.expert_parallel_dispatch", "flat", "--parts", "layers"))):
         (folder / name).mkdir(exist_ok=True)
         checked_script(r, folder / name, "rank_slice", "scripts/bench/rank_slice.py", "--config",
                        "train_configs/k31.toml", "--world-size", "256", *NO_PP_EP128, "--table", str(table), *extra,
                        timeout=300)
+    (folder / "routed_combine").mkdir(exist_ok=True)
+    checked_script(r, folder / "routed_combine", "rank_slice", "scripts/bench/rank_slice.py", "--config",
+                   "train_configs/k31.toml", "--world-size", "256", *NO_PP_EP128, "--parts", "--variants",
+                   "reference=--kernels.routed_combine reference", "triton=", "--variant-parts", "layers",
+                   timeout=300)
     # the recipe's own layout (PP8, 28 local experts) without checkpointing: its DSA + MoE layers' entries, which
     # the estimate needs to size blocks out of checkpointing there
     (folder / "pp8_none").mkdir(exist_ok=True)
@@ -559,9 +566,10 @@ def single_gpu_parts() -> list[Part]:
         Part("rank_slice_k31_fp8", "k31.toml's stage 0 compiled, bf16 against FP8 routed-expert GEMMs at full "
                                    "width: per layer kind, profiles, the schedule", rank_slice_k31_fp8),
         Part("rank_slice_k31_no_pp", "the layout the estimate recommends for k31.toml at 256 GPUs (no PP, "
-                                     "EP128 hierarchical), 4 layers compiled under full, none and mixers "
-                                     "checkpointing into a copy of the step-time table, with full's profile; and "
-                                     "the recipe's stage 0 layers without checkpointing",
+                                     "EP128 hierarchical, its local work included), 4 layers compiled under full, "
+                                     "none and mixers checkpointing into a copy of the step-time table, with "
+                                     "full's profile, the routed_combine A/B and the flat dispatch beside; and the "
+                                     "recipe's stage 0 layers without checkpointing",
              rank_slice_k31_no_pp),
         Part("rank_slice_k31_checkpointing", "k31.toml's stage 0 compiled, full checkpointing against mixers "
                                              "(the token mixers' outputs kept): per layer kind, the schedule and "
