@@ -46,9 +46,9 @@ TEXT_TRIMMED = ("--job.config_file", "train_configs/k3_debug.toml", "--data.data
 EP2_MIXED = (*MEDPIX, "--training.steps", "4", "--training.local_batch_size", "2", "--data.shuffle", "false",
              "--metrics.log_freq", "1", "--parallelism.expert_parallel_degree", "2", "--training.pad_to_multiple_of")
 RUNS = {
-    # 1: under torchrun, as the recipe's users launch it; 20 of its 40 steps (the loss has fallen 60x by then)
-    "debug": Run(1, (*MEDPIX, "--training.steps", "20")),
-    "debug_lora": Run(1, (*MEDPIX, "--training.steps", "20", "--lora.enable", "true")),
+    # 1: under torchrun, as the recipe's users launch it; 12 of its 40 steps (the loss has fallen 29x by then)
+    "debug": Run(1, (*MEDPIX, "--training.steps", "12")),
+    "debug_lora": Run(1, (*MEDPIX, "--training.steps", "12", "--lora.enable", "true")),
     "fsdp_dp2": Run(2, (*FSDP_LORA, "--training.local_batch_size", "2")),
     "fsdp_single": Run(0, (*FSDP_LORA, "--training.local_batch_size", "4")),
     "ep_ep2": Run(2, (*LORA_3_STEPS, "--training.local_batch_size", "2", "--parallelism.expert_parallel_degree", "2")),
@@ -84,10 +84,10 @@ def test_medpix_debug_recipe_trains_with_falling_loss(runs, lora):
     name = "debug_lora" if lora else "debug"
     out, metrics = runs.output(name), runs.rows(name)
     losses = [m["loss"] for m in metrics]
-    assert len(losses) == 20 and all(m["images"] == 8 for m in metrics)
-    # measured at 20 steps: 8.13 -> 0.13 (1.6%) training everything, 8.13 -> 0.99 (12%) training the adapters
-    assert losses[-1] < (0.25 if lora else 0.05) * losses[0], losses
-    assert "summary: steps=20" in out
+    assert len(losses) == 12 and all(m["images"] == 8 for m in metrics)
+    # measured at 12 steps: 8.13 -> 0.28 (3.4%) training everything, 8.13 -> 2.75 (34%) training the adapters
+    assert losses[-1] < (0.5 if lora else 0.1) * losses[0], losses
+    assert "summary: steps=12" in out
     adapters = runs.folder(name) / "lora_adapters"
     assert adapters.exists() == lora
     if lora:
