@@ -35,7 +35,6 @@ __all__ = [
     "known_ops",
     "linear_cross_entropy",
     "route_rows",
-    "sum_present",
     "router_logits",
     "op_backends",
     "selected_backend",
@@ -46,4 +45,5 @@ __all__ = [
     "sparse_kl_from_scores",
     "sparse_mla",
     "sparse_mla_distilled",
+    "sum_present",
 ]
