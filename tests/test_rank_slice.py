@@ -187,6 +187,18 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     written = json.loads((out / "step_time_h200.json").read_text())["geometries"]
     records = [r for g in written.values() for sec in g.values() for rows in sec.values() for r in rows]
     assert {(r["compile"], r["expert_gemm"]) for r in records} == {("none", "default")}
+    # a hierarchical layout reads the flat stand-in's MoE entries, and says so
+    assert "dispatch's stand-in" not in lines[0]
+    hier = load_job_config(["--job.config_file", "train_configs/k31.toml", "--job.world_size", "4",
+                            "--job.dry_run", "--job.estimate_step_time",
+                            *TINY_SLICE[TINY_SLICE.index("--model.flavor"):TINY_SLICE.index("--rows")],
+                            "--parallelism.pipeline_parallel_degree", "1", "--parallelism.pipeline_gradient_sync",
+                            "step", "--parallelism.expert_parallel_degree", "4", "--parallelism.expert_parallel_dispatch",
+                            "hierarchical", "--parallelism.expert_parallel_node_size", "2",
+                            "--training.global_batch_size", "8",
+                            "--step_time.table", str(out / "step_time_h200.json"), "--step_time.rows", "medpix:4:28x28"])
+    assert ("the MoE layers' times are those of the flat dispatch's stand-in (none measured under hierarchical)"
+            in describe_step_time(hier, args, resolve_layout(hier, 4, args), vision)[0])
     cfg.step_time.expert_load = "skewed"
     assert "expert load skewed" in describe_step_time(cfg, args, layout, vision)[0]
     factor, load = StepTimeModel(cfg, args, vision, settings_from_config(cfg)).load_factor(layout.ep)

@@ -419,6 +419,10 @@ class StepTimeModel:
             if measured and wanted not in measured:
                 source += (f"; the table's layer times were measured under {MEASURED_UNDER[key][0]} "
                            f"{' / '.join(sorted(measured))}, not this config's {wanted}")
+        dispatches = self.s.table.moe_dispatches(self.geometry) if layout.ep > 1 else set()
+        if dispatches and layout.ep_dispatch not in dispatches:
+            source += (f"; the MoE layers' times are those of the {' / '.join(sorted(dispatches))} dispatch's "
+                       f"stand-in (none measured under {layout.ep_dispatch})")
         p = cfg.parallelism
         fsdp = ", ".join(x for x in (f"reshard_after_forward {p.fsdp_reshard_after_forward}"
                                      if p.fsdp_reshard_after_forward != "default" else "",

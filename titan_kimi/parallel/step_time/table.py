@@ -147,6 +147,11 @@ class Table:
         return {r.get(key, default) for section in self.data.get("geometries", {}).get(geometry, {}).values()
                 for rows in section.values() for r in rows} if self.data else set()
 
+    def moe_dispatches(self, geometry: str) -> set[str]:
+        """The EP dispatches the geometry's MoE layer entries ran (an entry without one: the flat dispatch)."""
+        return {r.get("dispatch", "flat") for kind, rows in self.raw(geometry, "layers").items() if "+moe" in kind
+                for r in rows}
+
     def time_ms(self, geometry: str, section: str, kind: str, tokens: int, forward_flops: float,
                 backward_flops: float, ac: float, load: str = "balanced",
                 settings: Mapping[str, str] | None = None,
