@@ -81,7 +81,7 @@ def check_degrees(cfg: JobConfig, world_size: int | None = None, *, image_text: 
                            "with an image-text model: sharding sequences whose placeholders the model expands into "
                            "image positions is not built", "1 (the image-text recipes train without CP)")
     _check_expert_dispatch(check, ep, p.expert_parallel_dispatch, p.expert_parallel_node_size)
-    _check_trimmed_rows(check, cp, chunks, t.pad_to_multiple_of)
+    _check_trimmed_rows(check, chunks, t.pad_to_multiple_of)
     shard = p.data_parallel_shard_degree
     if shard != -1:
         _experts_fit(check, shard, cp, ep)
@@ -117,10 +117,11 @@ def check_degrees(cfg: JobConfig, world_size: int | None = None, *, image_text: 
     return shard
 
 
-def _check_trimmed_rows(check: LayoutCheck, cp: int, chunks: int, multiple: int) -> None:
-    # The CP ranks cut each row into ``chunks`` equal chunks: every trimmed length (a multiple of ``multiple``, or
-    # seq_len) must split so. (Pipeline stages take any length: PipelineRunner builds each length's shapes.)
-    if multiple and cp > 1 and multiple % chunks:
+def _check_trimmed_rows(check: LayoutCheck, chunks: int, multiple: int) -> None:
+    # The CP ranks cut each row into ``chunks`` equal chunks (1 without CP): every trimmed length (a multiple of
+    # ``multiple``, or seq_len) must split so. (Pipeline stages take any length: PipelineRunner builds each
+    # length's shapes.)
+    if multiple and multiple % chunks:
         raise check.reject("training.pad_to_multiple_of",
                            f"cannot cut rows into {chunks} equal chunks for "
                            f"{check.other('parallelism.context_parallel_degree')} with "

@@ -57,7 +57,8 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         hit = torch.zeros(tokens, nodes + 1, dtype=torch.bool, device=z.device).scatter_(1, node_of, True)[:, :nodes]
         send_splits, recv_splits = self._pair_splits(hit.sum(0))  # one host sync
         # (token, node) pairs, grouped by node; their number is known from the splits: no second sync
-        pair_node, pair_token = torch.nonzero_static(hit.t(), size=sum(send_splits)).unbind(1)
+        by_node = hit.t()
+        pair_node, pair_token = torch.nonzero_static(by_node, size=sum(send_splits)).unbind(1)
         on_node = node_of[pair_token] == pair_node.unsqueeze(1)  # [P, k]: which of the token's choices are there
         experts = torch.where(on_node, indices[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
         pair_weights = torch.where(on_node, weights[pair_token], 0.0)
@@ -66,7 +67,7 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
         back = self._from_relays(sums, send_splits, recv_splits)
         # each token's pairs: the (node, token) hits in the order nonzero_static listed them; a miss names no row
-        listed = hit.t().reshape(-1)
+        listed = by_node.reshape(-1)
         pair_of = torch.where(listed, torch.cumsum(listed, 0) - 1, back.shape[0]).view(nodes, tokens).t()
         return ops.sum_present(back, pair_token, pair_of.contiguous(), dtype), shared
 

@@ -44,8 +44,8 @@ from titan_kimi.parallel.step_time.schedules import (StageTimes, peak_in_flight,
 from titan_kimi.parallel.step_time.stage_work import (StageWork, shared_expert_flops, stage_work,
                                                       without_block_start)
 from titan_kimi.parallel.step_time.kept_outputs import kept_bytes
-from titan_kimi.parallel.step_time.table import (MEASURED_UNDER, Table, ac_share, checkpointing, geometry_key,
-                                                 measured_settings)
+from titan_kimi.parallel.step_time.table import (FLAT, MEASURED_UNDER, Table, ac_share, checkpointing,
+                                                 geometry_key, measured_settings)
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e: the optimizer step's bound when no measured time per parameter exists
 OPTIMIZER_BYTES = 16  # per bf16 parameter: read weight, gradient, 2 moments; write weight, 2 moments (+ slack)
@@ -187,7 +187,7 @@ class StepTimeModel:
                 for s, r in enumerate(ranges)}
 
     def _times(self, work: StageWork, tokens: int, cp: int, ep: int,
-               padded: StageWork | None = None, dispatch: str = "flat") -> tuple[float, float, float, list[str]]:
+               padded: StageWork | None = None, dispatch: str = FLAT) -> tuple[float, float, float, list[str]]:
         """(forward, input-gradient, weight-gradient) seconds of one microbatch's compute on one rank of the
         stage (``tokens`` local tokens, ``cp`` ranks sharing the rows), and notes. ``padded``: the stage's work
         with the padding's routed-expert rows, which table entries measured with them routed are timed on;

@@ -30,6 +30,14 @@ KEEPS_OUTPUTS = ("selective/mixers",)
 # Padding tokens skip the routed experts (``LatentMoE``); entries measured before that routed them ("routed"):
 # their FLOPs count the padding's expert rows, so a lookup times them on those FLOPs (an upper bound).
 PADDING_ROUTED, PADDING_SKIPPED = "routed", "skipped"
+# A MoE entry records its rank: the routed experts it holds and the EP dispatch its stand-in ran; entries from
+# before either was recorded hold 0 (unknown) and ran the flat dispatch's stand-in.
+FLAT = "flat"
+
+
+def record_rank(record: Mapping[str, Any]) -> tuple[int, str]:
+    """A table record's (local experts, EP dispatch), its defaults where it lacks them."""
+    return record.get("local_experts", 0), record.get("dispatch", FLAT)
 
 
 def geometry_key(args: KimiK3ModelArgs) -> str:
@@ -89,7 +97,7 @@ class Measured:
     checkpointing: str = "full"  # the activation checkpointing it was measured under (``checkpointing``)
     padding: str = PADDING_ROUTED  # whether its padding tokens ran the routed experts
     local_experts: int = 0  # the routed experts of its rank (a MoE layer's; 0: not recorded)
-    dispatch: str = "flat"  # the EP dispatch its MoE ran under (a MoE layer's; entries without it: flat)
+    dispatch: str = FLAT  # the EP dispatch its MoE ran under (a MoE layer's)
 
     @property
     def forward_rate(self) -> float:
@@ -135,11 +143,7 @@ class Table:
 
     def entries(self, geometry: str, section: str, kind: str) -> list[Measured]:
         rows = self.raw(geometry, section).get(kind, [])
-        return [Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"],
-                         r["ac"], r["load"], **{k: r.get(k, default) for k, (_, default) in MEASURED_UNDER.items()},
-                         padding=r.get("padding", PADDING_ROUTED), local_experts=r.get("local_experts", 0),
-                         dispatch=r.get("dispatch", "flat"))
-                for r in rows]
+        return [_measured(r) for r in rows]
 
     def measured_under(self, geometry: str, key: str) -> set[str]:
         """The values of setting ``key`` (of MEASURED_UNDER) the geometry's entries were measured under."""
@@ -149,14 +153,14 @@ class Table:
 
     def moe_dispatches(self, geometry: str) -> set[str]:
         """The EP dispatches the geometry's MoE layer entries ran (an entry without one: the flat dispatch)."""
-        return {r.get("dispatch", "flat") for kind, rows in self.raw(geometry, "layers").items() if "+moe" in kind
+        return {record_rank(r)[1] for kind, rows in self.raw(geometry, "layers").items() if "+moe" in kind
                 for r in rows}
 
     def time_ms(self, geometry: str, section: str, kind: str, tokens: int, forward_flops: float,
                 backward_flops: float, ac: float, load: str = "balanced",
                 settings: Mapping[str, str] | None = None,
                 padded_flops: tuple[float, float] | None = None,
-                local_experts: int = 0, dispatch: str = "flat") -> tuple[float, float] | None:
+                local_experts: int = 0, dispatch: str = FLAT) -> tuple[float, float] | None:
         """(forward ms, backward ms incl. ``ac`` recomputed forwards) of ``kind`` at ``tokens`` with these
         FLOPs, from the rates measured nearest in tokens under ``settings`` (``measured_settings``; missing ones
         at their defaults: the entries matching all of them, else the first ones of MEASURED_UNDER, else any) and
@@ -192,18 +196,17 @@ class Table:
         return fwd, bwd + ac * fwd
 
     def saved_gib(self, geometry: str, kind: str, tokens: int, compile_mode: str,
-                  local_experts: int = 0, dispatch: str = "flat") -> float | None:
+                  local_experts: int = 0, dispatch: str = FLAT) -> float | None:
         """GiB a ``kind`` layer out of activation checkpointing holds after its forward for its backward, at
         ``tokens`` (scaled in proportion from the nearest measured token count; measured under ``compile_mode``
-        where the table has that, since Inductor decides what a compiled forward keeps; with ``local_experts``
-        routed experts on the rank under EP ``dispatch`` where it has that); a block start never measured takes its kind's. None if the
-        table has no such measurement."""
+        where the table has that, since Inductor decides what a compiled forward keeps; on a rank like the job's
+        where it has that, ``_same_rank_first``); a block start never measured takes its kind's. None if the table
+        has no such measurement."""
         for name in (kind, *(k for k in [without_block_start(kind)] if k)):
             rows = [r for r in self.raw(geometry, "layers").get(name, [])
                     if r.get("checkpointing") == "none" and r.get("saved_gib") is not None and r.get("tokens")]
             rows = [r for r in rows if r.get("compile", "none") == compile_mode] or rows
-            rows = _same_rank_first(rows, local_experts, dispatch,
-                                    lambda r: (r.get("local_experts", 0), r.get("dispatch", "flat")))
+            rows = _same_rank_first(rows, local_experts, dispatch, record_rank)
             if rows:
                 nearest = min({r["tokens"] for r in rows}, key=lambda t: abs(math.log(t / tokens)))
                 return max(r["saved_gib"] for r in rows if r["tokens"] == nearest) * tokens / nearest
@@ -214,6 +217,13 @@ class Table:
         for k in keys:
             node = node.get(k) if isinstance(node, dict) else None
         return node
+
+
+def _measured(r: Mapping[str, Any]) -> Measured:
+    local_experts, dispatch = record_rank(r)
+    return Measured(r["tokens"], r["forward_ms"], r["backward_ms"], r["forward_flops"], r["backward_flops"], r["ac"],
+                    r["load"], **{k: r.get(k, default) for k, (_, default) in MEASURED_UNDER.items()},
+                    padding=r.get("padding", PADDING_ROUTED), local_experts=local_experts, dispatch=dispatch)
 
 
 def _same_rank_first(items: list, local_experts: int, dispatch: str, rank_of) -> list:
@@ -257,7 +267,7 @@ def merge_entries(table: dict[str, Any] | None, geometry: str, section: str, kin
 
     def key(e: dict[str, Any]) -> tuple:
         return (*(e.get(k, defaults.get(k)) for k in ("tokens", "ac", "load", "rows", *MEASURED_UNDER)),
-                e.get("padding", PADDING_ROUTED), e.get("local_experts", 0), e.get("dispatch", "flat"))
+                e.get("padding", PADDING_ROUTED), *record_rank(e))
 
     kinds[kind] = [e for e in kinds.get(kind, []) if key(e) != key(entry)] + [entry]
     return out
