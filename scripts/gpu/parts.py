@@ -443,29 +443,34 @@ def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
     # layer's time goes beside its GEMMs, and each item's host time), none and mixers checkpointing, each one's
     # entries merged into a copy of the shipped table (the estimate reads them for blocks out of checkpointing and
     # for mixers jobs); the routed_combine backends on its sums (A/B); the flat dispatch's full entries beside.
+    # NO_PP_RUNS picks some of the runs (the whole part is longer than one device call allows); the table copy is
+    # kept between calls on a warm machine, and each run's own rank_slice.json holds its entries besides.
     folder.mkdir(parents=True, exist_ok=True)
     table = folder / "step_time_h200.json"
-    shutil.copy(ROOT / "titan_kimi/parallel/step_time_h200.json", table)
-    for name, extra in (("full", ("--parts", "layers", "profile")),
-                        ("none", ("--activation_checkpoint.mode", "none", "--parts", "layers")),
-                        ("mixers", ("--activation_checkpoint.mode", "selective", "--activation_checkpoint."
-                                    "selective_ac_option", "mixers", "--parts", "layers")),
-                        ("flat_full", ("--parallelism.expert_parallel_dispatch", "flat", "--parts", "layers"))):
-        (folder / name).mkdir(exist_ok=True)
-        checked_script(r, folder / name, "rank_slice", "scripts/bench/rank_slice.py", "--config",
-                       "train_configs/k31.toml", "--world-size", "256", *NO_PP_EP128, "--table", str(table), *extra,
-                       timeout=300)
-    (folder / "routed_combine").mkdir(exist_ok=True)
-    checked_script(r, folder / "routed_combine", "rank_slice", "scripts/bench/rank_slice.py", "--config",
-                   "train_configs/k31.toml", "--world-size", "256", *NO_PP_EP128, "--parts", "--variants",
-                   "reference=--kernels.routed_combine reference", "triton=", "--variant-parts", "layers",
-                   timeout=300)
+    if not table.exists():
+        shutil.copy(ROOT / "titan_kimi/parallel/step_time_h200.json", table)
     # the recipe's own layout (PP8, 28 local experts) without checkpointing: its DSA + MoE layers' entries, which
     # the estimate needs to size blocks out of checkpointing there
-    (folder / "pp8_none").mkdir(exist_ok=True)
-    checked_script(r, folder / "pp8_none", "rank_slice", "scripts/bench/rank_slice.py", "--config",
-                   "train_configs/k31.toml", "--world-size", "256", "--loads", "balanced", "--compile.mode", "default",
-                   "--activation_checkpoint.mode", "none", "--parts", "layers", "--table", str(table), timeout=300)
+    pp8 = ("--loads", "balanced", "--compile.mode", "default", "--activation_checkpoint.mode", "none",
+           "--parts", "layers", "--table", str(table))
+    table_arg = ("--table", str(table))
+    runs = {"full": (*NO_PP_EP128, *table_arg, "--parts", "layers", "profile"),
+            "none": (*NO_PP_EP128, *table_arg, "--activation_checkpoint.mode", "none", "--parts", "layers"),
+            "mixers": (*NO_PP_EP128, *table_arg, "--activation_checkpoint.mode", "selective",
+                       "--activation_checkpoint.selective_ac_option", "mixers", "--parts", "layers"),
+            "flat_full": (*NO_PP_EP128, *table_arg, "--parallelism.expert_parallel_dispatch", "flat",
+                          "--parts", "layers"),
+            # the routed_combine backends on the hierarchical dispatch's sums (an A/B: no table written)
+            "routed_combine": (*NO_PP_EP128, "--parts", "--variants", "reference=--kernels.routed_combine reference",
+                               "triton=", "--variant-parts", "layers"),
+            "pp8_none": pp8}
+    chosen = shlex.split(os.environ.get("NO_PP_RUNS", "")) or list(runs)
+    for name in chosen:
+        if name not in runs:
+            raise SystemExit(f"measure: NO_PP_RUNS names {name!r}; expected some of {' '.join(runs)}")
+        (folder / name).mkdir(exist_ok=True)
+        checked_script(r, folder / name, "rank_slice", "scripts/bench/rank_slice.py", "--config",
+                       "train_configs/k31.toml", "--world-size", "256", *runs[name], timeout=300)
 
 
 def rank_slice_hellaswag(r: Runner, folder: Path) -> None:
