@@ -126,19 +126,24 @@ def dispatch_by_node_on_one_rank(moe, device: str) -> None:
     dispatch_by_node(moe.experts, mesh, mesh, mesh)
 
 
-def test_hierarchical_route_queues_the_shared_experts_before_any_wait(one_rank_group):
+def test_hierarchical_route_queues_the_shared_experts_before_any_wait(one_rank_group, monkeypatch):
     """``NodeDispatchExperts.route`` on one rank standing for both levels (the op order does not depend on the
-    group sizes): in forward the weights', ids' and rows' exchanges are issued and the shared experts queued
-    before the first wait; in backward the rows' reverse exchange is the only one issued when the shared
-    experts' backward starts, and the next collective op after it is the wait."""
+    group sizes): in forward the weights', ids' and rows' exchanges are issued, then the node level's count
+    exchange (its device waits on the ids and on the counts), then the shared experts are queued, all before
+    the rows' wait; the node level reads its splits on the host only after that, so the device has the shared
+    experts to run through the read. In backward the rows' reverse exchange is the only one issued when the
+    shared experts' backward starts, and the next collective op after it is the wait."""
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.models.kimi_k3.moe import LatentMoE
+    from titan_kimi.parallel.host_readback import HostReadback
 
     torch.manual_seed(4)
     moe = LatentMoE(model_args_for("k3_debug"))
     moe.init_weights()
     dispatch_by_node_on_one_rank(moe, "cpu")
     record = _Ops()
+    read = HostReadback.get
+    monkeypatch.setattr(HostReadback, "get", lambda self: record.names.append("host_read") or read(self))
     for tag, register in (("<shared", "register_forward_pre_hook"), ("shared>", "register_forward_hook"),
                           ("<shared_bw", "register_full_backward_pre_hook"),
                           ("shared_bw>", "register_full_backward_hook")):
@@ -147,10 +152,12 @@ def test_hierarchical_route_queues_the_shared_experts_before_any_wait(one_rank_g
     with record:
         y = moe(x)
         y.backward(torch.randn_like(y))
-    names = [n for n in record.names if n in ("all_to_all_single", "wait_tensor") or "shared" in n]
+    names = [n for n in record.names if n in ("all_to_all_single", "wait_tensor", "host_read") or "shared" in n]
     start, end = names.index("<shared"), names.index("shared>")
-    last_wait = max(i for i in range(start) if names[i] == "wait_tensor")  # the split sizes' exchange
-    assert names[last_wait + 1:start] == ["all_to_all_single"] * 3 and names[end + 1] == "wait_tensor", names
+    a2a, wait = "all_to_all_single", "wait_tensor"
+    # the (token, node) pairs' count exchange and its wait, then weights, ids, rows, then the node level's counts
+    assert names[start - 8:start] == [a2a, wait, a2a, a2a, a2a, wait, a2a, wait], names
+    assert names[end + 1:end + 3] == [wait, "host_read"] and names.count("host_read") == 1, names
     start, end = names.index("<shared_bw"), names.index("shared_bw>")
     assert names[start - 2:start] == ["wait_tensor", "all_to_all_single"], names
     assert names[start + 1:end] == [] and names[end + 1] == "wait_tensor", names

@@ -84,3 +84,22 @@ def test_hierarchical_route_on_cuda_matches_the_plain_moe(nccl_one_rank):
     assert g_p.keys() == g_n.keys()
     for name in g_p:
         assert g_p[name] is not None and rel_err(g_n[name], g_p[name]) < 1e-2, name
+
+
+@pytest.mark.gpu
+def test_host_readback_reads_the_values_of_its_queue_point():
+    """The copy is queued where ``HostReadback`` is made: ``get`` returns the values then, not those of work
+    queued after it, and waits for its kernel behind long ones (no read of an unfinished result)."""
+    from titan_kimi.parallel.host_readback import HostReadback
+
+    torch.manual_seed(0)
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):  # long work ahead of the value
+        x = torch.tanh(x @ x / 64)
+    values = x[:, :16].sum(0)
+    pending = HostReadback(values)
+    values.mul_(-1)  # queued after the copy: must not show in the read
+    for _ in range(4):
+        x = x @ x / 64
+    got = pending.get()
+    assert got == (-values).cpu().tolist()

@@ -15,7 +15,9 @@ routed path runs in two levels:
 
 The MoE's shared experts run while the rows cross nodes (``overlapped_exchange``), and their backward while the
 rows' gradients cross back. Each level makes one host sync, for its splits; the (token, node) pairs and the
-relay's present choices take their numbers from them. Forward and gradients equal the flat dispatch's up to the
+relay's present choices take their numbers from them. The node level's counts are exchanged and their copy to
+the host queued before the shared experts, so the device runs those through its sync rather than idling
+(``host_readback``). Forward and gradients equal the flat dispatch's up to the
 rounding of each node's sum (none in fp32). The weights are sharded over the whole EP group as under the flat
 dispatch; only the row movement differs.
 """
@@ -35,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lowerings import ops
 from titan_kimi.config.parallelism import NODE_GROUPS_VALID, node_groups_problem
 from titan_kimi.parallel.expert_parallel import ExpertShardGroupedExperts, expert_shard_class, routed_rows_style
+from titan_kimi.parallel.host_readback import HostReadback
 from titan_kimi.parallel.overlapped_exchange import all_to_all_alongside, wait_tensor
 
 
@@ -62,9 +65,15 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         on_node = node_of[pair_token] == pair_node.unsqueeze(1)  # [P, k]: which of the token's choices are there
         experts = torch.where(on_node, indices[pair_token] - pair_node.unsqueeze(1) * per_node, -1)
         pair_weights = torch.where(on_node, weights[pair_token], 0.0)
-        rows, relay_weights, relay_experts, shared = self._to_relays(z[pair_token], pair_weights, experts,
-                                                                     recv_splits, send_splits, alongside)
-        sums = self._node_level(rows, relay_weights, relay_experts, per_node, dtype)
+
+        def beside(relay_experts: torch.Tensor):
+            # queued while the rows cross nodes: the node level's counts and their exchange first, then the
+            # shared experts, which keep the device busy through that level's host sync
+            return self._start_node_level(relay_experts, per_node), (alongside() if alongside is not None else None)
+
+        rows, relay_weights, (node_level, shared) = self._to_relays(
+            z[pair_token], pair_weights, experts, recv_splits, send_splits, beside)
+        sums = self._node_level(rows, relay_weights, node_level, dtype)
         back = self._from_relays(sums, send_splits, recv_splits)
         # each token's pairs: the (node, token) hits in the order nonzero_static listed them; a miss names no row
         listed = by_node.reshape(-1)
@@ -81,35 +90,45 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         return torch.stack([send, _exchange(send, self.across.get_group())]).tolist()
 
     def _to_relays(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, recv_splits: list[int],
-                   send_splits: list[int], alongside: Callable[[], torch.Tensor] | None):
-        """Each pair's row, router weights and node-local experts to the relays; ``alongside()`` queued beside
-        the rows -> (rows, weights, experts the relay received, alongside's result)."""
+                   send_splits: list[int], beside: Callable[[torch.Tensor], object]):
+        """Each pair's row, router weights and node-local experts to the relays; ``beside(relay_experts)``
+        queued while the rows are in flight -> (rows, weights the relay received, beside's result)."""
         group = self.across.get_group()
-        # The weights and ids go first, unwaited: nothing waits before the shared experts are queued beside the
-        # rows, so they overlap all three exchanges. The weights' backward waits as soon as it runs; created
-        # before the rows' exchange, it runs once the rows' gradients are back, out of the shared experts'
-        # backward window (all_to_all_alongside).
+        # The weights and ids go first, unwaited: nothing waits before the work beside is queued, so it overlaps
+        # all three exchanges (the ids' wait is the device's, in that work's order). The weights' backward waits
+        # as soon as it runs; created before the rows' exchange, it runs once the rows' gradients are back, out
+        # of the shared experts' backward window (all_to_all_alongside).
         relay_weights = all_to_all_single_autograd(weights, recv_splits, send_splits, group)
         pending_experts = all_to_all_single(experts, recv_splits, send_splits, group)  # ids: no gradient
-        relay_rows, shared = all_to_all_alongside(rows, recv_splits, send_splits, group, alongside)
-        return relay_rows, relay_weights, wait_tensor(pending_experts), shared
+
+        relay_rows, extra = all_to_all_alongside(rows, recv_splits, send_splits, group,
+                                                 lambda: beside(wait_tensor(pending_experts)))
+        return relay_rows, relay_weights, extra
 
     def _from_relays(self, sums: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """The relays' per-pair sums back to the pairs' tokens' ranks."""
         return all_to_all_single_autograd(sums, send_splits, recv_splits, self.across.get_group())
 
-    def _node_level(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, per_node: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-        """On the relay: ``rows [P, L]`` with their node-local ``experts [P, k]`` (-1: not on this node) and
-        ``weights [P, k]`` -> each row's weighted sum over its experts here, ``[P, L]`` in ``dtype``."""
+    def _start_node_level(self, experts: torch.Tensor, per_node: int) -> tuple[torch.Tensor, HostReadback]:
+        """On the relay, from its rows' node-local ``experts [P, k]`` (-1: not on this node): the rows' routing
+        (the present choices sorted first) and the node level's count exchange, its splits' copy to the host
+        queued (``_node_level`` reads it)."""
         key = torch.where(experts < 0, per_node, experts).view(-1)  # absent choices sort last
         # a static-shape count: bincount's output size reads the keys' maximum back from the device (a sync)
         counts = torch.histc(key.float(), bins=per_node + 1, min=0, max=per_node + 1).to(torch.int64)
+        routing = ops.route_rows(torch.argsort(key, stable=True), experts.shape[1])
+        return routing, self.node_style.start_splits(counts[:per_node], self.node)
+
+    def _node_level(self, rows: torch.Tensor, weights: torch.Tensor,
+                    started: tuple[torch.Tensor, HostReadback], dtype: torch.dtype) -> torch.Tensor:
+        """On the relay: ``rows [P, L]`` with their router ``weights [P, k]`` (zero where the choice is on another
+        node) and ``_start_node_level``'s routing and pending splits -> each row's weighted sum over its
+        experts here, ``[P, L]`` in ``dtype``."""
+        routing, pending = started
         style, node = self.node_style, self.node
-        present = style.exchange_splits(counts[:per_node], node)  # the node level's one host sync
+        present = style.finish_splits(pending)  # the node level's one host sync
         # the present choices sort first: rows for them alone, their outputs summed per row with the absent ones'
         # weights zero (the routed_combine op's kernels where they run)
-        routing = ops.route_rows(torch.argsort(key, stable=True), experts.shape[1])
         routed, local_counts = style.send_rows(ops.dispatch_present(rows, routing, present), node)
         out = style._token_combine(self, self(routed, local_counts), node)  # FSDP gathers around the call
         return ops.combine_present(out, routing, weights, dtype)

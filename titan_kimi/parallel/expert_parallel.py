@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titan_kimi.models.kimi_k3.moe import GroupedExperts
+from titan_kimi.parallel.host_readback import HostReadback
 
 
 class ExpertShardGroupedExperts(GroupedExperts):
@@ -83,24 +84,34 @@ def routed_rows_style() -> type:
     hands back the routed rows alone (``GroupedExperts.route`` appends the zero rows after the shared experts
     are queued, so the exchange stays in flight beside them). Its dispatch makes one host sync, for the splits,
     which also give the routed count; ``exchange_splits`` and ``send_rows`` are its two halves, for a caller that
-    builds the rows once the count is known (the hierarchical dispatch's node level)."""
+    builds the rows once the count is known (the hierarchical dispatch's node level, which also splits the first
+    in two: ``start_splits`` before the work that may run through the sync, ``finish_splits`` after)."""
     from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
     from titan_kimi.parallel.expert_permutation import permute
 
     class RoutedRowsExpertParallel(ExpertParallel):
-        def exchange_splits(self, num_tokens_per_expert: torch.Tensor, device_mesh: DeviceMesh) -> int:
-            """Exchange the per-expert counts; set the all-to-all's splits (the one host sync) and keep the
-            counts each local expert receives from each rank. Returns the rows this rank sends."""
+        def start_splits(self, num_tokens_per_expert: torch.Tensor, device_mesh: DeviceMesh) -> HostReadback:
+            """Exchange the per-expert counts and queue the all-to-all's splits' copy to the host; keep the
+            counts each local expert receives from each rank. ``finish_splits`` reads them."""
             ep = device_mesh.shape[0]
             with torch.no_grad():
                 received = torch.ops._c10d_functional.wait_tensor(
                     all_to_all_single(num_tokens_per_expert, None, None, group=device_mesh.get_group()))
                 splits = torch.stack([num_tokens_per_expert.view(ep, -1).sum(1), received.view(ep, -1).sum(1)])
-                self.input_splits, self.output_splits = splits.tolist()
             self._received = received
+            return HostReadback(splits)
+
+        def finish_splits(self, pending: HostReadback) -> int:
+            """Set the all-to-all's splits from ``start_splits``' copy (the one host sync: it waits for that copy
+            alone). Returns the rows this rank sends."""
+            self.input_splits, self.output_splits = pending.get()
             return sum(self.input_splits)
+
+        def exchange_splits(self, num_tokens_per_expert: torch.Tensor, device_mesh: DeviceMesh) -> int:
+            """``start_splits`` and ``finish_splits`` at once."""
+            return self.finish_splits(self.start_splits(num_tokens_per_expert, device_mesh))
 
         def send_rows(self, rows: torch.Tensor, device_mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
             """``rows`` (as many as ``exchange_splits`` returned, sorted by expert) to their experts' ranks,

@@ -26,6 +26,7 @@ from titan_kimi.models.kimi_k3.moe import LatentMoE
 from titan_kimi.parallel.expert_node_dispatch import NodeDispatchExperts, node_dispatch_class
 from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, expert_shard_class, moe_blocks
 from titan_kimi.parallel.expert_permutation import permute, unpermute
+from titan_kimi.parallel.host_readback import HostReadback
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
 
 
@@ -68,10 +69,17 @@ class LocalDispatch:
             self._flat_counts = counts.reshape(-1).to(device)
         return self._flat_counts
 
+    def start_splits(self, counts: torch.Tensor, mesh=None) -> HostReadback:
+        """The rows this rank sends (the sum of ``counts``), its copy to the host queued: stands for training's
+        count exchange."""
+        return HostReadback(counts.sum())
+
+    def finish_splits(self, pending: HostReadback) -> int:
+        """The host sync that stands for training's one per level, for its splits."""
+        return int(pending.get())
+
     def exchange_splits(self, counts: torch.Tensor, mesh=None) -> int:
-        """The rows this rank sends (the sum of ``counts``): the host sync that stands for training's one per
-        level, for its splits."""
-        return int(counts.sum())
+        return self.finish_splits(self.start_splits(counts, mesh))
 
     def send_rows(self, rows: torch.Tensor, mesh=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` sent; ``load.rows`` arrive, grouped by local expert and aligned: (rows, rows per expert)."""
@@ -110,8 +118,8 @@ class LocalNodeDispatchExperts(NodeDispatchExperts):
         splits = send.tolist()  # the across level's host sync
         return splits, list(splits)
 
-    def _to_relays(self, rows, weights, experts, recv_splits, send_splits, alongside):
-        return rows, weights, experts, (alongside() if alongside is not None else None)
+    def _to_relays(self, rows, weights, experts, recv_splits, send_splits, beside):
+        return rows, weights, beside(experts)
 
     def _from_relays(self, sums: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         return sums
