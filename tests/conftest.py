@@ -120,3 +120,17 @@ def flex_backend():
     """kernels.causal_attention = flex for one test, then the selection it had."""
     with backend_selected("causal_attention", "flex"):
         yield
+
+
+@pytest.fixture
+def gpu_kernels():
+    """The GPU kernels of the token mixers (FLA's KDA, Triton's indexer top-k and sparse MLA) for one test, then
+    the selection it had."""
+    from lowerings.ops.registry import configure_backends, install_backends, resolved_backends
+
+    saved = resolved_backends()
+    configure_backends({"kda": "fla", "indexer_topk": "triton", "sparse_mla": "triton"})
+    try:
+        yield
+    finally:
+        install_backends(saved)

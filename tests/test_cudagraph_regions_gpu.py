@@ -7,7 +7,6 @@ the graphs), over two steps (the second replays what the first recorded), agains
 import pytest
 import torch
 
-from lowerings.ops.registry import configure_backends
 from titan_kimi.models.kimi_k3 import KimiK3Model, model_args_for
 from titan_kimi.parallel.compile import apply_compile
 
@@ -16,13 +15,6 @@ pytestmark = pytest.mark.gpu
 
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
-
-
-@pytest.fixture
-def gpu_kernels():
-    configure_backends({"kda": "fla", "indexer_topk": "triton", "sparse_mla": "triton"})
-    yield
-    configure_backends({"kda": "reference", "indexer_topk": "reference", "sparse_mla": "reference"})
 
 
 def grads(mode: str, experts_outside: bool) -> dict[str, torch.Tensor]:
