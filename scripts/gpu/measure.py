@@ -36,6 +36,7 @@ KNOBS = """knobs (environment):
   NUMERICS_STEPS   steps of numerics_fp32_truth (6)              NUMERICS_TIMEOUT s (400)
   KDA_SHAPES       op_kda's --shapes (k3)                        KDA_LAYOUTS     op_kda's --layouts (docs_padded)
   SCRIPT_TIMEOUT   s per script: part (280)                      NO_PP_RUNS      runs of rank_slice_k31_no_pp (all)
+  BEFORE_REV, RANK_SLICE_ARGS: part rank_slice_before_after (the earlier commit; rank_slice.py's arguments)
   LAYOUT_STEPS, LAYOUT_COMPILE, LAYOUT_TIMEOUT, LAYOUT_RECIPE, LAYOUT_EXTRA, PRIOR, NGPUS,
   MEDIUM_AC, MEDIUM_TIMEOUT, MEDIUM_REF_TIMEOUT: the layout parts (scripts/gpu/layout_parts.py)"""
 

@@ -473,6 +473,33 @@ def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
                        "train_configs/k31.toml", "--world-size", "256", *runs[name], timeout=300)
 
 
+def rank_slice_before_after(r: Runner, folder: Path) -> None:
+    # A code change's before/after on the rank slice (config overrides have --variants; a change of code needs
+    # the earlier tree): BEFORE_REV checked out beside this one (git worktree, its own imports first), the same
+    # rank_slice.py arguments (RANK_SLICE_ARGS, default the recommended no-PP layout's first 4 layers, compiled,
+    # full checkpointing) in both trees, then the side-by-side of their items.
+    rev = os.environ.get("BEFORE_REV", "")
+    if not rev and not r.dry_run:
+        raise SystemExit("measure: part rank_slice_before_after needs BEFORE_REV=<commit of the tree before>")
+    args = shlex.split(os.environ.get("RANK_SLICE_ARGS", "")) or ["--config", "train_configs/k31.toml",
+                                                                   "--world-size", "256", *NO_PP_EP128,
+                                                                   "--parts", "layers"]
+    before = Path("/tmp/rank_slice_before_tree")
+    r.run("checkout", Command(["bash", "-c", f"git worktree remove --force {before} 2>/dev/null; rm -rf {before}; "
+                                             f"git worktree prune; git worktree add --detach {before} {rev}"],
+                              log=folder / "checkout.log", timeout=60))
+    r.run("before", Command(python(str(before / "scripts/bench/rank_slice.py"), *args, "--out",
+                                   str(folder / "before")),
+                            log=folder / "before.log", timeout=env_int("SCRIPT_TIMEOUT", 280),
+                            env={"PYTHONPATH": f"{before}:{r.env.get('PYTHONPATH', '')}"}))
+    checked_script(r, folder / "after", "rank_slice", "scripts/bench/rank_slice.py", *args,
+                   timeout=env_int("SCRIPT_TIMEOUT", 280))
+    r.run("compare", Command(python("scripts/bench/compare_rank_slices.py", f"before={folder / 'before'}",
+                                    f"after={folder / 'after'}", "--out", str(folder)),
+                             log=folder / "compare.log", timeout=60))
+    r.tail(folder / "compare.log", 20)
+
+
 def rank_slice_hellaswag(r: Runner, folder: Path) -> None:
     # As shipped the recipe's stage needs ~233 GiB (docs/perf.md): the stage part runs it with the FSDP handling
     # that fits an H200 (k31.toml ships the same two settings).
@@ -576,6 +603,9 @@ def single_gpu_parts() -> list[Part]:
                                      "full's profile, the routed_combine A/B and the flat dispatch beside; and the "
                                      "recipe's stage 0 layers without checkpointing",
              rank_slice_k31_no_pp),
+        Part("rank_slice_before_after", "a code change's before/after on the rank slice: BEFORE_REV's tree (git "
+             "worktree) against this one, the same rank_slice.py arguments (RANK_SLICE_ARGS; default the no-PP "
+             "layout's 4 layers), side by side", rank_slice_before_after),
         Part("rank_slice_k31_checkpointing", "k31.toml's stage 0 compiled, full checkpointing against mixers "
                                              "(the token mixers' outputs kept): per layer kind, the schedule and "
                                              "its peak", rank_slice_k31_checkpointing),
