@@ -223,3 +223,21 @@ def test_profile_categories_name_the_kernels_of_a_k31_layer():
         "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>": "eager elementwise / reduce",
     }
     assert {name: category(name) for name in expected} == expected
+
+
+def test_compare_rank_slices_puts_two_runs_side_by_side(tmp_path):
+    """Two runs' items with the speed-up over the first; a folder without a report is named."""
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+    import compare_rank_slices
+
+    for name, ms in (("before", 30.0), ("after", 20.0)):
+        (tmp_path / name).mkdir()
+        report = {"meta": {}, "layers": [{"name": "kda+moe", "load": "balanced", "forward_ms": ms / 3,
+                                          "backward_ms": 2 * ms / 3}]}
+        (tmp_path / name / "rank_slice.json").write_text(json.dumps(report))
+    out = tmp_path / "out"
+    assert compare_rank_slices.main([f"before={tmp_path / 'before'}", f"after={tmp_path / 'after'}", "--out",
+                                     str(out)]) == 0
+    assert "| kda+moe | balanced | 30.00 | 20.00 (1.50x) |" in (out / "variants.md").read_text()
+    with pytest.raises(SystemExit):
+        compare_rank_slices.main([f"x={tmp_path / 'missing'}", "--out", str(out)])
