@@ -443,8 +443,8 @@ def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
     # layer's time goes beside its GEMMs, and each item's host time), none and mixers checkpointing, each one's
     # entries merged into a copy of the shipped table (the estimate reads them for blocks out of checkpointing and
     # for mixers jobs); the routed_combine backends on its sums (A/B); the flat dispatch's full entries beside.
-    # NO_PP_RUNS picks some of the runs (the whole part is longer than one device call allows); the table copy is
-    # kept between calls on a warm machine, and each run's own rank_slice.json holds its entries besides.
+    # NO_PP_RUNS picks some of the runs (to split the part over shorter runs of the driver); the table copy is
+    # kept between runs on the same machine, and each run's own rank_slice.json holds its entries besides.
     folder.mkdir(parents=True, exist_ok=True)
     table = folder / "step_time_h200.json"
     if not table.exists():
