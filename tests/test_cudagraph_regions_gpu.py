@@ -1,8 +1,11 @@
-"""GPU: ``compile.mode = reduce-overhead`` (CUDA graphs over the compiled regions) with each block compiled whole
-and with the MoE blocks compiled by sub-module as under expert parallelism (the routed experts eager between
-the graphs), over two steps (the second replays what the first recorded), against the same model compiled under
-``default``. Activation checkpointing and pipeline parallelism are refused under this mode
+"""GPU: ``compile.mode = reduce-overhead`` (CUDA graphs over the compiled regions) with the MoE blocks compiled by
+sub-module as under expert parallelism (the routed experts eager between the graphs; whole blocks under
+reduce-overhead are what the small recipes run), over two steps (the second replays what the first recorded),
+against the same model compiled under ``default``. Four layers of k31_debug (KDA and MLA blocks, dense and MoE
+FFNs) keep the compiles short. Activation checkpointing and pipeline parallelism are refused under this mode
 (``titan_kimi.config.rules``: ``cuda_graphs_without_checkpointing``, ``cuda_graphs_hold_one_microbatch``)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ def rel_err(a, b):
 
 
 def grads(mode: str, experts_outside: bool) -> dict[str, torch.Tensor]:
-    args = model_args_for("k31_debug")
+    args = dataclasses.replace(model_args_for("k31_debug"), n_layers=4, kda_layers=(1, 2, 3), full_attn_layers=(4,))
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = KimiK3Model(args)
@@ -37,10 +40,9 @@ def grads(mode: str, experts_outside: bool) -> dict[str, torch.Tensor]:
     return {n.replace("_orig_mod.", ""): p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("experts_outside", [False, True])
-def test_reduce_overhead_matches_default(gpu_kernels, experts_outside):
-    ref = grads("default", experts_outside)
-    got = grads("reduce-overhead", experts_outside)
+def test_reduce_overhead_over_sub_module_regions_matches_default(gpu_kernels):
+    ref = grads("default", experts_outside=True)
+    got = grads("reduce-overhead", experts_outside=True)
     assert ref.keys() == got.keys() and len(ref) > 0
     worst = max((rel_err(got[n], g), n) for n, g in ref.items())
     assert worst[0] < 2e-2, worst
