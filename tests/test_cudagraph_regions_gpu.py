@@ -3,7 +3,7 @@ sub-module as under expert parallelism (the routed experts eager between the gra
 reduce-overhead are what the small recipes run), over two steps (the second replays what the first recorded),
 against the same model compiled under ``default``. Four layers of k31_debug (KDA and MLA blocks, dense and MoE
 FFNs) keep the compiles short. Activation checkpointing and pipeline parallelism are refused under this mode
-(``titan_kimi.config.rules``: ``cuda_graphs_without_checkpointing``, ``cuda_graphs_hold_one_microbatch``)."""
+(``titan_kimi.config.rules.cuda_graphs_where_they_hold``)."""
 
 import dataclasses
 

@@ -449,10 +449,6 @@ def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
     table = folder / "step_time_h200.json"
     if not table.exists():
         shutil.copy(ROOT / "titan_kimi/parallel/step_time_h200.json", table)
-    # the recipe's own layout (PP8, 28 local experts) without checkpointing: its DSA + MoE layers' entries, which
-    # the estimate needs to size blocks out of checkpointing there
-    pp8 = ("--loads", "balanced", "--compile.mode", "default", "--activation_checkpoint.mode", "none",
-           "--parts", "layers", "--table", str(table))
     table_arg = ("--table", str(table))
     runs = {"full": (*NO_PP_EP128, *table_arg, "--parts", "layers", "profile"),
             "none": (*NO_PP_EP128, *table_arg, "--activation_checkpoint.mode", "none", "--parts", "layers"),
@@ -463,11 +459,15 @@ def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
             # the routed_combine backends on the hierarchical dispatch's sums (an A/B: no table written)
             "routed_combine": (*NO_PP_EP128, "--parts", "--variants", "reference=--kernels.routed_combine reference",
                                "triton=", "--variant-parts", "layers"),
-            "pp8_none": pp8}
+            # the recipe's own layout (PP8, 28 local experts) without checkpointing: its DSA + MoE layers'
+            # entries, which the estimate needs to size blocks out of checkpointing there
+            "pp8_none": ("--loads", "balanced", "--compile.mode", "default", "--activation_checkpoint.mode", "none",
+                         "--parts", "layers", *table_arg)}
     chosen = shlex.split(os.environ.get("NO_PP_RUNS", "")) or list(runs)
+    unknown = [name for name in chosen if name not in runs]
+    if unknown:  # before any run: a typo late in the list would otherwise stop the part minutes in
+        raise SystemExit(f"measure: NO_PP_RUNS names {' '.join(unknown)}; expected some of {' '.join(runs)}")
     for name in chosen:
-        if name not in runs:
-            raise SystemExit(f"measure: NO_PP_RUNS names {name!r}; expected some of {' '.join(runs)}")
         (folder / name).mkdir(exist_ok=True)
         checked_script(r, folder / name, "rank_slice", "scripts/bench/rank_slice.py", "--config",
                        "train_configs/k31.toml", "--world-size", "256", *runs[name], timeout=300)

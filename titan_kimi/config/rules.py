@@ -180,28 +180,26 @@ def module_compile_without_checkpointing(cfg: JobConfig, source_of: SourceOf) ->
                       "\"block\" (each checkpointed block compiled whole), or activation_checkpoint.mode = \"none\"")
 
 
-def cuda_graphs_without_checkpointing(cfg: JobConfig, source_of: SourceOf) -> None:
-    # A checkpointed block's recompute replays its compiled regions inside the backward; CUDA-graph trees record
-    # such a region nested in torch's (non-reentrant) checkpoint with other tensor lifetimes than they replay it
-    # with and fail ("graph recording observed an input tensor deallocate during graph recording that did not
-    # occur during replay"; pytorch/pytorch#154306, still so on torch 2.11).
-    if cfg.compile.mode == "reduce-overhead" and cfg.activation_checkpoint.mode != "none":
-        raise _reject(cfg, "compile.mode", source_of,
-                      f"not supported with {_other(cfg, 'activation_checkpoint.mode', source_of)}: the recompute "
-                      "replays CUDA graphs inside torch's checkpoint, which CUDA-graph trees refuse "
-                      "(pytorch/pytorch#154306)",
-                      "\"default\", \"inductor\" or \"max-autotune\", or activation_checkpoint.mode = \"none\"")
-
-
-def cuda_graphs_hold_one_microbatch(cfg: JobConfig, source_of: SourceOf) -> None:
-    # Each forward starts a new CUDA-graph generation, whose replays reuse the previous generation's output
-    # memory: a pipeline schedule holds earlier microbatches' activations (graph outputs) across later forwards.
-    if cfg.compile.mode == "reduce-overhead" and cfg.parallelism.pipeline_parallel_degree > 1:
-        raise _reject(cfg, "compile.mode", source_of,
-                      f"not supported with {_other(cfg, 'parallelism.pipeline_parallel_degree', source_of)}: each "
-                      "microbatch's forward starts a new CUDA-graph generation, which reuses the memory of the "
-                      "earlier microbatches' outputs the schedule still holds for their backward",
-                      "\"default\", \"inductor\" or \"max-autotune\", or parallelism.pipeline_parallel_degree = 1")
+def cuda_graphs_where_they_hold(cfg: JobConfig, source_of: SourceOf) -> None:
+    # reduce-overhead's CUDA-graph trees fail or reuse live memory in two settings:
+    # - checkpointing: a block's recompute replays its compiled regions inside torch's (non-reentrant)
+    #   checkpoint, recorded with other tensor lifetimes than they replay with ("graph recording observed an
+    #   input tensor deallocate during graph recording that did not occur during replay"; pytorch/pytorch#154306,
+    #   still so on torch 2.11);
+    # - pipelines: each forward starts a new generation, whose replays reuse the previous one's output memory,
+    #   while the schedule holds earlier microbatches' activations (graph outputs) for their backward.
+    if cfg.compile.mode != "reduce-overhead":
+        return
+    for key, refused, why, instead in (
+            ("activation_checkpoint.mode", cfg.activation_checkpoint.mode != "none",
+             "the recompute replays CUDA graphs inside torch's checkpoint, which CUDA-graph trees refuse "
+             "(pytorch/pytorch#154306)", '"none"'),
+            ("parallelism.pipeline_parallel_degree", cfg.parallelism.pipeline_parallel_degree > 1,
+             "each microbatch's forward starts a new CUDA-graph generation, which reuses the memory of the earlier "
+             "microbatches' outputs the schedule still holds for their backward", "1")):
+        if refused:
+            raise _reject(cfg, "compile.mode", source_of, f"not supported with {_other(cfg, key, source_of)}: {why}",
+                          f'"default", "inductor" or "max-autotune", or {key} = {instead}')
 
 
 def global_batch_is_whole_local_batches(cfg: JobConfig, source_of: SourceOf) -> None:
@@ -381,8 +379,7 @@ RULES: tuple[Rule, ...] = (
     uncheckpointed_blocks_need_checkpointing,
     compile_has_components,
     module_compile_without_checkpointing,
-    cuda_graphs_without_checkpointing,
-    cuda_graphs_hold_one_microbatch,
+    cuda_graphs_where_they_hold,
     global_batch_is_whole_local_batches,
     context_parallel_kda_has_a_backend,
     mixed_precision_only_lowers,
