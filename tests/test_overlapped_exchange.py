@@ -128,11 +128,13 @@ def dispatch_by_node_on_one_rank(moe, device: str) -> None:
 
 def test_hierarchical_route_queues_the_shared_experts_before_any_wait(one_rank_group, monkeypatch):
     """``NodeDispatchExperts.route`` on one rank standing for both levels (the op order does not depend on the
-    group sizes): in forward the weights', ids' and rows' exchanges are issued, then the node level's count
-    exchange (its device waits on the ids and on the counts), then the shared experts are queued, all before
-    the rows' wait; the node level reads its splits on the host only after that, so the device has the shared
-    experts to run through the read. In backward the rows' reverse exchange is the only one issued when the
-    shared experts' backward starts, and the next collective op after it is the wait."""
+    group sizes): in forward the (token, node) pairs' count exchange comes first, then the latent projection is
+    queued, and only then does the host read the pairs' splits, so the device has the projection to run through
+    that read; then the weights', ids' and rows' exchanges are issued, then the node level's count exchange (its
+    device waits on the ids and on the counts), then the shared experts are queued, all before the rows' wait;
+    the node level reads its splits on the host only after that, so the device has the shared experts to run
+    through the read. In backward the rows' reverse exchange is the only one issued when the shared experts'
+    backward starts, and the next collective op after it is the wait."""
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.models.kimi_k3.moe import LatentMoE
     from titan_kimi.parallel.host_readback import HostReadback
@@ -148,20 +150,51 @@ def test_hierarchical_route_queues_the_shared_experts_before_any_wait(one_rank_g
                           ("<shared_bw", "register_full_backward_pre_hook"),
                           ("shared_bw>", "register_full_backward_hook")):
         getattr(moe.shared_experts, register)(lambda *_, tag=tag: record.names.append(tag))
+    moe.routed_expert_down_proj.register_forward_pre_hook(lambda *_: record.names.append("latent"))
     x = torch.randn(2, 7, 128, requires_grad=True)
     with record:
         y = moe(x)
         y.backward(torch.randn_like(y))
-    names = [n for n in record.names if n in ("all_to_all_single", "wait_tensor", "host_read") or "shared" in n]
+    names = [n for n in record.names
+             if n in ("all_to_all_single", "wait_tensor", "host_read", "latent") or "shared" in n]
     start, end = names.index("<shared"), names.index("shared>")
     a2a, wait = "all_to_all_single", "wait_tensor"
-    # the (token, node) pairs' count exchange and its wait, then weights, ids, rows, then the node level's counts
-    assert names[start - 8:start] == [a2a, wait, a2a, a2a, a2a, wait, a2a, wait], names
-    assert names[end + 1:end + 3] == [wait, "host_read"] and names.count("host_read") == 1, names
+    # the pairs' count exchange and its wait, the latent projection, the pairs' read, then weights, ids, rows,
+    # then the node level's counts
+    assert names[:start] == [a2a, wait, "latent", "host_read", a2a, a2a, a2a, wait, a2a, wait], names
+    assert names[end + 1:end + 3] == [wait, "host_read"] and names.count("host_read") == 2, names
     start, end = names.index("<shared_bw"), names.index("shared_bw>")
     assert names[start - 2:start] == ["wait_tensor", "all_to_all_single"], names
     assert names[start + 1:end] == [] and names[end + 1] == "wait_tensor", names
     assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_flat_dispatch_queues_the_latent_projection_before_its_host_read(one_rank_group, monkeypatch):
+    """torchtitan's flat dispatch on one rank: the per-expert counts' exchange is issued from the routing alone,
+    before the latent projection is queued, and the host reads the splits only after that (once, in the experts'
+    pre-hook), so the device runs the projection through the read; the rows' exchange follows the read."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_kimi.models.kimi_k3 import model_args_for
+    from titan_kimi.models.kimi_k3.moe import LatentMoE
+    from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, shard_flat
+    from titan_kimi.parallel.host_readback import HostReadback
+
+    torch.manual_seed(6)
+    moe = LatentMoE(model_args_for("k3_debug"))
+    moe.init_weights()
+    _permutation_on_any_device()
+    shard_flat(moe.experts, init_device_mesh("cpu", (1,)))
+    record = _Ops()
+    read = HostReadback.get
+    monkeypatch.setattr(HostReadback, "get", lambda self: record.names.append("host_read") or read(self))
+    moe.routed_expert_down_proj.register_forward_pre_hook(lambda *_: record.names.append("latent"))
+    with record:
+        moe(torch.randn(2, 7, 128))
+    names = [n for n in record.names if n in ("all_to_all_single", "wait_tensor", "host_read", "latent")]
+    a2a, wait = "all_to_all_single", "wait_tensor"
+    assert names[:5] == [a2a, wait, "latent", "host_read", a2a], names
+    assert names.count("host_read") == 1 and moe.experts.started_splits is None, names
 
 
 @pytest.mark.parametrize("dispatch", ["flat", "hierarchical"])
@@ -286,7 +319,7 @@ def test_moe_with_the_shared_experts_alongside_is_bitwise_the_previous_formula(m
     if where == "before":
         plain = moe.experts.route
 
-        def route_with_work_first(z, weights, indices, counts, dtype, alongside=None):
+        def route_with_work_first(z, weights, indices, counts, dtype, alongside=None, started=None):
             shared = alongside()
             routed, nothing = plain(z, weights, indices, counts, dtype)
             assert nothing is None

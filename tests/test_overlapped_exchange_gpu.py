@@ -54,10 +54,17 @@ def test_nccl_exchange_with_work_alongside_equals_the_two_apart(nccl_one_rank):
 
 
 @pytest.mark.gpu
-def test_hierarchical_route_on_cuda_matches_the_plain_moe(nccl_one_rank):
+@pytest.mark.parametrize("dispatch", ["flat", "hierarchical"])
+def test_expert_parallel_route_on_cuda_matches_the_plain_moe(nccl_one_rank, dispatch):
+    """On CUDA (NCCL, one rank for the EP group and both levels), with the count exchanges started before the
+    latent projection and read back through ``HostReadback``: the routed path's output and every gradient are the
+    plain MoE's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from tests.test_overlapped_exchange import dispatch_by_node_on_one_rank
     from titan_kimi.models.kimi_k3 import model_args_for
     from titan_kimi.models.kimi_k3.moe import LatentMoE
+    from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, shard_flat
 
     torch.manual_seed(1)
     args = model_args_for("k3_debug", num_experts=16, moe_inter_dim=128, moe_latent_dim=128)
@@ -66,7 +73,11 @@ def test_hierarchical_route_on_cuda_matches_the_plain_moe(nccl_one_rank):
     plain = plain.to("cuda", torch.bfloat16)
     node = LatentMoE(args).to("cuda", torch.bfloat16)
     node.load_state_dict(plain.state_dict())
-    dispatch_by_node_on_one_rank(node, "cuda")
+    if dispatch == "flat":
+        _permutation_on_any_device()
+        shard_flat(node.experts, init_device_mesh("cuda", (1,)))
+    else:
+        dispatch_by_node_on_one_rank(node, "cuda")
     x = torch.randn(2, 64, args.dim, device="cuda", dtype=torch.bfloat16)
     cot = torch.randn_like(x)
     results = []

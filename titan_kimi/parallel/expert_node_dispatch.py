@@ -15,9 +15,10 @@ routed path runs in two levels:
 
 The MoE's shared experts run while the rows cross nodes (``overlapped_exchange``), and their backward while the
 rows' gradients cross back. Each level makes one host sync, for its splits; the (token, node) pairs and the
-relay's present choices take their numbers from them. The node level's counts are exchanged and their copy to
-the host queued before the shared experts, so the device runs those through its sync rather than idling
-(``host_readback``). Forward and gradients equal the flat dispatch's up to the
+relay's present choices take their numbers from them. Neither sync drains the device (``host_readback``): the
+pairs' counts are exchanged and their copy to the host queued from the routing alone (``start_route``), before
+the MoE queues its latent projection, which the device runs through the first sync; the node level's counts
+are exchanged and their copy queued before the shared experts, which it runs through the second. Forward and gradients equal the flat dispatch's up to the
 rounding of each node's sum (none in fp32). The weights are sharded over the whole EP group as under the flat
 dispatch; only the row movement differs.
 """
@@ -49,16 +50,28 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
     node: DeviceMesh
     node_style: object
 
+    def start_route(self, indices: torch.Tensor,
+                    num_tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, HostReadback]:
+        """From the routing alone: each choice's node ``[T, k]``, which nodes each token hits ``[T, nodes]``, and
+        the (token, node) pairs' count exchange with its splits' copy to the host queued (``route`` reads it)."""
+        nodes = self._node_count()
+        per_node = self.num_experts // nodes
+        # [T, k]; an unrouted choice (-1: a padding token's) goes to the column past the last node, dropped
+        node_of = torch.where(indices >= 0, indices // per_node, nodes)
+        hit = torch.zeros(indices.shape[0], nodes + 1, dtype=torch.bool, device=indices.device)
+        hit = hit.scatter_(1, node_of, True)[:, :nodes]
+        return node_of, hit, self._start_pair_splits(hit.sum(0))
+
     def route(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
               num_tokens_per_expert: torch.Tensor, dtype: torch.dtype,
-              alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              alongside: Callable[[], torch.Tensor] | None = None,
+              started: tuple[torch.Tensor, torch.Tensor, HostReadback] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         nodes = self._node_count()
         per_node = self.num_experts // nodes
         tokens = indices.shape[0]
-        # [T, k]; an unrouted choice (-1: a padding token's) goes to the column past the last node, dropped
-        node_of = torch.where(indices >= 0, indices // per_node, nodes)
-        hit = torch.zeros(tokens, nodes + 1, dtype=torch.bool, device=z.device).scatter_(1, node_of, True)[:, :nodes]
-        send_splits, recv_splits = self._pair_splits(hit.sum(0))  # one host sync
+        node_of, hit, pending = started if started is not None else self.start_route(indices, num_tokens_per_expert)
+        send_splits, recv_splits = self._finish_pair_splits(pending)  # the level across nodes' one host sync
         # (token, node) pairs, grouped by node; their number is known from the splits: no second sync
         by_node = hit.t()
         pair_node, pair_token = torch.nonzero_static(by_node, size=sum(send_splits)).unbind(1)
@@ -81,13 +94,19 @@ class NodeDispatchExperts(ExpertShardGroupedExperts):
         return ops.sum_present(back, pair_token, pair_of.contiguous(), dtype), shared
 
     # The level across nodes: its exchanges apart from the local work above (the rank-slice benchmark's stand-in,
-    # titan_kimi.parallel.rank_slice.local_experts, replaces these four with local moves).
+    # titan_kimi.parallel.rank_slice.local_experts, replaces these five with local moves).
     def _node_count(self) -> int:
         return self.across.size()
 
-    def _pair_splits(self, send: torch.Tensor) -> tuple[list[int], list[int]]:
-        """(pairs this rank sends to each node's relay, pairs its relay receives from each node): the sync."""
-        return torch.stack([send, _exchange(send, self.across.get_group())]).tolist()
+    def _start_pair_splits(self, send: torch.Tensor) -> HostReadback:
+        """The pairs this rank sends to each node's relay, exchanged for those its relay receives from each node;
+        their copy to the host queued."""
+        return HostReadback(torch.stack([send, _exchange(send, self.across.get_group())]))
+
+    def _finish_pair_splits(self, pending: HostReadback) -> tuple[list[int], list[int]]:
+        """(pairs sent to each node, pairs received from each node): the sync, on that copy alone."""
+        send_splits, recv_splits = pending.get()
+        return send_splits, recv_splits
 
     def _to_relays(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, recv_splits: list[int],
                    send_splits: list[int], beside: Callable[[torch.Tensor], object]):

@@ -23,7 +23,28 @@ from titan_kimi.parallel.host_readback import HostReadback
 
 
 class ExpertShardGroupedExperts(GroupedExperts):
-    """``GroupedExperts`` on an expert-parallel rank: the same computation on the local expert shards."""
+    """``GroupedExperts`` on an expert-parallel rank: the same computation on the local expert shards.
+
+    ``count_exchange`` (set by ``shard_flat``): the dispatch's style and mesh, whose count exchange
+    ``start_route`` starts early; the style's forward pre-hook on this module then reads its splits from
+    ``started_splits`` (set for the length of ``route``)."""
+
+    count_exchange: tuple[object, DeviceMesh | None] | None = None
+    started_splits: HostReadback | None = None
+
+    def start_route(self, indices: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> HostReadback | None:
+        if self.count_exchange is None:
+            return None
+        style, mesh = self.count_exchange
+        return style.start_splits(num_tokens_per_expert, mesh)
+
+    def route(self, *args, started: HostReadback | None = None, **kwargs):
+        # the dispatch runs in the experts' forward pre-hook, which sees the module, not route's arguments
+        self.started_splits = started
+        try:
+            return super().route(*args, **kwargs)
+        finally:
+            self.started_splits = None
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w13, w2 = self.w13, self.w2
@@ -83,9 +104,11 @@ def routed_rows_style() -> type:
     unrouted slots (padding tokens' choices, past the counts' sum), which no rank computes; the combine then
     hands back the routed rows alone (``GroupedExperts.route`` appends the zero rows after the shared experts
     are queued, so the exchange stays in flight beside them). Its dispatch makes one host sync, for the splits,
-    which also give the routed count; ``exchange_splits`` and ``send_rows`` are its two halves, for a caller that
-    builds the rows once the count is known (the hierarchical dispatch's node level, which also splits the first
-    in two: ``start_splits`` before the work that may run through the sync, ``finish_splits`` after)."""
+    which also give the routed count; the experts' ``start_route`` starts it before the latent projection is
+    queued (``routed_count`` finishes it). ``exchange_splits`` and ``send_rows`` are its two halves, for a
+    caller that builds the rows once the count is known (the hierarchical dispatch's node level, which also
+    splits the first in two: ``start_splits`` before the work that may run through the sync, ``finish_splits``
+    after)."""
     from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
     from torchtitan.distributed.expert_parallel import ExpertParallel
 
@@ -123,9 +146,17 @@ def routed_rows_style() -> type:
                                                                             received.shape[0] // ep)
             return rows, counts
 
+        def routed_count(self, mod: nn.Module, num_tokens_per_expert: torch.Tensor, device_mesh: DeviceMesh) -> int:
+            """The rows ``mod`` sends: from the splits its ``start_route`` started (``started_splits``), else
+            exchanged now."""
+            pending = getattr(mod, "started_splits", None)
+            if pending is not None:
+                return self.finish_splits(pending)
+            return self.exchange_splits(num_tokens_per_expert, device_mesh)
+
         def _token_dispatch(self, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh):
             rows, num_tokens_per_expert = inputs
-            routed = self.exchange_splits(num_tokens_per_expert, device_mesh)
+            routed = self.routed_count(mod, num_tokens_per_expert, device_mesh)
             return self.send_rows(rows[:routed] if routed < rows.shape[0] else rows, device_mesh)
 
     return RoutedRowsExpertParallel
@@ -139,7 +170,9 @@ def shard_flat(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     experts.__class__ = expert_shard_class(type(experts))
-    parallelize_module(experts, ep_mesh, routed_rows_style()())
+    style = routed_rows_style()()
+    parallelize_module(experts, ep_mesh, style)
+    experts.count_exchange = (style, ep_mesh)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh,

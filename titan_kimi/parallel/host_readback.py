@@ -3,8 +3,9 @@
 ``tensor.tolist()`` waits for every kernel queued before it, so the device idles from then until the host has
 queued the next work. ``HostReadback(values)`` queues the copy (into pinned memory, non-blocking) and marks it
 with an event; ``get()`` waits for that copy alone. Work queued between the two keeps the device busy while the
-host waits and while it queues what follows (the expert dispatch's splits: the node level starts its count
-exchange before the shared experts are queued, and reads it after).
+host waits and while it queues what follows (the expert dispatch's splits: the count exchanges start before the
+MoE's latent projection is queued, the hierarchical dispatch's node level before its shared experts, and each is
+read after).
 """
 
 from __future__ import annotations

@@ -87,12 +87,22 @@ class GroupedExperts(nn.Module):
         # the grouped GEMMs leave rows outside every group unwritten, forward and backward: mask both ways
         return torch.where(routed, self.run(self.w13, self.w2, torch.where(routed, x, 0), num_tokens_per_expert), 0)
 
+    def start_route(self, indices: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> object | None:
+        """The routed path's work that needs the routing alone (``indices [T, k]``, the per-expert counts), queued
+        before the latent rows are: expert parallelism starts here the exchange whose values the host must read
+        for its splits, so the device runs the latent projection through that read rather than idling from it
+        until the host has queued what follows. Returns what ``route`` takes as ``started``; the experts on one
+        rank read nothing back (None)."""
+        return None
+
     def route(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor,
               num_tokens_per_expert: torch.Tensor, dtype: torch.dtype,
-              alongside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              alongside: Callable[[], torch.Tensor] | None = None,
+              started: object | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The routed path: each token's latent row ``z [T, L]`` through its experts ``indices [T, k]``, the
         outputs weighted by ``weights [T, k]`` and summed in fp32 (over the bf16-rounded expert outputs) ->
-        ``[T, L]`` in ``dtype``, and ``alongside()``'s result (None without it).
+        ``[T, L]`` in ``dtype``, and ``alongside()``'s result (None without it). ``started``: ``start_route``'s
+        result for the same routing.
 
         ``alongside`` is work independent of the routed rows (the MoE's shared experts), run where it can overlap
         the routed path's communication; the MoE's output and gradients are those of adding it after the routed
@@ -210,16 +220,18 @@ class LatentMoE(nn.Module):
         weights, indices = self.router(x)
         if is_real is not None:
             indices = torch.where(is_real.view(-1, 1), indices, -1)  # -1: an unrouted choice
-        z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
-        flat = indices.view(-1)
         # histc keeps the output shape static (bincount's is data dependent), which compile needs; it drops the
         # unrouted choices (-1, below its range).
-        counts_f = torch.histc(flat.float(), bins=self.num_experts, min=0, max=self.num_experts)
+        counts_f = torch.histc(indices.view(-1).float(), bins=self.num_experts, min=0, max=self.num_experts)
         with torch.no_grad():
             self.tokens_per_expert.add_(counts_f)
+        counts = counts_f.to(torch.int64)
+        # from the routing alone, before the latent projection is queued (it then runs through any host read)
+        started = self.experts.start_route(indices, counts)
+        z = self.routed_expert_down_proj(x) if self.routed_expert_down_proj is not None else x
         # the shared experts go to the routed path as work that may overlap its communication
         shared = (lambda: self.shared_experts(x)) if self.shared_experts is not None else None
-        r, s = self.experts.route(z, weights, indices, counts_f.to(torch.int64), x.dtype, alongside=shared)
+        r, s = self.experts.route(z, weights, indices, counts, x.dtype, alongside=shared, started=started)
         if self.routed_expert_norm is not None:
             r = self.routed_expert_norm(r)
         y = self.routed_expert_up_proj(r) if self.routed_expert_up_proj is not None else r

@@ -94,11 +94,16 @@ class LocalDispatch:
         self._state = None
         return cycle_rows(unpermute(output, shape, indices), n)
 
+    def routed_count(self, module: nn.Module, counts: torch.Tensor, mesh=None) -> int:
+        """As training's dispatch: from the splits ``module.start_route`` started, else read now."""
+        pending = getattr(module, "started_splits", None)
+        return self.finish_splits(pending) if pending is not None else self.exchange_splits(counts, mesh)
+
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         # this rank's rows sorted by global expert, then its unrouted slots (padding tokens' choices), which the
         # dispatch leaves out
         routed, counts = inputs
-        return self.send_rows(routed[:self.exchange_splits(counts)])
+        return self.send_rows(routed[:self.routed_count(module, counts)])
 
     def combine(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         return self._token_combine(module, output)
@@ -114,8 +119,11 @@ class LocalNodeDispatchExperts(NodeDispatchExperts):
     def _node_count(self) -> int:
         return self.nodes
 
-    def _pair_splits(self, send: torch.Tensor) -> tuple[list[int], list[int]]:
-        splits = send.tolist()  # the across level's host sync
+    def _start_pair_splits(self, send: torch.Tensor) -> HostReadback:
+        return HostReadback(send)
+
+    def _finish_pair_splits(self, pending: HostReadback) -> tuple[list[int], list[int]]:
+        splits = pending.get()  # the across level's host sync
         return splits, list(splits)
 
     def _to_relays(self, rows, weights, experts, recv_splits, send_splits, beside):
@@ -165,5 +173,6 @@ def localize_experts(model: nn.Module, load: ExpertLoad, node_size: int = 0) -> 
             experts.__class__ = expert_shard_class(type(experts))
             experts.register_forward_pre_hook(exchange.dispatch)
             experts.register_forward_hook(exchange.combine)
+            experts.count_exchange = (exchange, None)  # its start_route starts the count read early, as in training
         exchanges.append(exchange)
     return exchanges
