@@ -114,6 +114,22 @@ TINY_SLICE = ["--config", "train_configs/k31.toml", "--world-size", "4", "--warm
               "--parallelism.expert_parallel_degree", "2", "--rows", "medpix:4:28x28", "--stage", "0"]
 
 
+def test_timed_runs_add_into_held_gradients_or_make_them_anew():
+    """``_timed`` as the layers part runs it: every backward adds into the gradients held from the previous run;
+    with ``new_gradients`` each run's backward makes them anew (one backward's gradient after any number)."""
+    from titan_kimi.parallel.rank_slice.measure import _timed
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    x, cot = torch.randn(4, 8), torch.randn(4, 8)
+    (once,) = torch.autograd.grad(layer(x), [layer.weight], cot)
+    run = lambda: ([layer(x)], [cot])  # noqa: E731
+    _timed(run, torch.device("cpu"), warmup=1, repeats=2)
+    assert torch.allclose(layer.weight.grad, 3 * once)
+    _timed(run, torch.device("cpu"), warmup=1, repeats=2, new_gradients=list(layer.parameters()))
+    assert torch.equal(layer.weight.grad, once)
+
+
 def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "scripts" / "bench"))
     import rank_slice
@@ -145,8 +161,15 @@ def test_rank_slice_benchmark_runs_and_its_table_feeds_the_estimate(tmp_path, ca
     assert "## The rank's schedule" in (out / "rank_slice.md").read_text()
     # with layers left unbuilt, the schedule's MFU reads the built layers' FLOPs, not the whole stage's
     cut = tmp_path / "cut"
-    assert rank_slice.main([*TINY_SLICE, "--out", str(cut), "--parts", "stage", "--max-layers", "1"]) == 0
+    assert rank_slice.main([*TINY_SLICE, "--out", str(cut), "--parts", "gradients", "stage", "--max-layers",
+                            "1"]) == 0
     cut_report = json.loads((cut / "rank_slice.json").read_text())
+    # the gradients part: the built block kind twice, its gradients added into held ones, then new; no table entry
+    notes = [(e["name"], e["note"].split(";")[0]) for e in cut_report["gradients"]]
+    assert notes == [("kda+dense, block start", "gradients added into held ones"),
+                     ("kda+dense, block start", "gradients new each run (its peak holds them)")], notes
+    assert "## Block kinds with their gradients added" in (cut / "rank_slice.md").read_text()
+    assert not (cut / "step_time_h200.json").exists()
     built, whole = cut_report["schedule"]["model_flops"]["0"], sched["model_flops"]["0"]
     assert cut_report["schedule"]["dropped_layers"]["0"] and built["forward"] < whole["forward"]
     assert "of the built layers' FLOPs" in (cut / "rank_slice.md").read_text()

@@ -18,6 +18,9 @@ Parts (``--parts``, in this order; results are written after each one, so a run 
             its attention and FFN apart; the MoE under every --loads; the vision tower per image; head + loss
             (the last stage's norm and head built alone when the rank holds none); one optimizer step per
             parameter.
+  gradients the block kinds twice, back to back: each backward adding its gradients into the ones held from the
+            previous run (as the layers part times them), then making them anew, as FSDP training does when it
+            reduces every microbatch (or has one): what the add costs. Not in the step-time table.
   profile   each layer kind (block, attention, FFN) under torch's profiler, forward and backward apart: device
             kernel time by category (GEMMs, KDA, Triton, Inductor-fused, eager elementwise, memory) and the
             device's idle time, top kernels (DIR/profile.md, DIR/profile.json).
@@ -50,8 +53,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ("tune_fla", "layers", "profile", "dsa", "gemm", "table", "stage")
-VARIANT_PARTS = ("layers", "profile", "gemm", "stage")
+PARTS = ("tune_fla", "layers", "gradients", "profile", "dsa", "gemm", "table", "stage")
+VARIANT_PARTS = ("layers", "gradients", "profile", "gemm", "stage")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -440,9 +440,11 @@ NO_PP_EP128 = ("--max-layers", "4", "--loads", "balanced", "--compile.mode", "de
 def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
     # The layout the estimate recommends for k31.toml at 256 GPUs (FSDP 256 x EP128 hierarchical, no PP), its
     # first 4 layers compiled, with that dispatch's own local work: under full (with the kernel profile: where a
-    # layer's time goes beside its GEMMs, and each item's host time), none and mixers checkpointing, each one's
-    # entries merged into a copy of the shipped table (the estimate reads them for blocks out of checkpointing and
-    # for mixers jobs); the routed_combine backends on its sums (A/B); the flat dispatch's full entries beside.
+    # layer's time goes beside its GEMMs, and each item's host time; and the cost of each backward's add into
+    # the gradients held from the previous run, which the entries hold and FSDP training does not do), none and
+    # mixers checkpointing, each one's entries merged into a copy of the shipped table (the estimate reads them
+    # for blocks out of checkpointing and for mixers jobs); the routed_combine backends on its sums (A/B); the
+    # flat dispatch's full entries beside.
     # NO_PP_RUNS picks some of the runs (to split the part over shorter runs of the driver); the table copy is
     # kept between runs on the same machine, and each run's own rank_slice.json holds its entries besides.
     folder.mkdir(parents=True, exist_ok=True)
@@ -450,7 +452,7 @@ def rank_slice_k31_no_pp(r: Runner, folder: Path) -> None:
     if not table.exists():
         shutil.copy(ROOT / "titan_kimi/parallel/step_time_h200.json", table)
     table_arg = ("--table", str(table))
-    runs = {"full": (*NO_PP_EP128, *table_arg, "--parts", "layers", "profile"),
+    runs = {"full": (*NO_PP_EP128, *table_arg, "--parts", "layers", "gradients", "profile"),
             "none": (*NO_PP_EP128, *table_arg, "--activation_checkpoint.mode", "none", "--parts", "layers"),
             "mixers": (*NO_PP_EP128, *table_arg, "--activation_checkpoint.mode", "selective",
                        "--activation_checkpoint.selective_ac_option", "mixers", "--parts", "layers"),
@@ -600,7 +602,8 @@ def single_gpu_parts() -> list[Part]:
         Part("rank_slice_k31_no_pp", "the layout the estimate recommends for k31.toml at 256 GPUs (no PP, "
                                      "EP128 hierarchical, its local work included), 4 layers compiled under full, "
                                      "none and mixers checkpointing into a copy of the step-time table, with "
-                                     "full's profile, the routed_combine A/B and the flat dispatch beside; and the "
+                                     "full's profile and gradient-add cost, the routed_combine A/B and the flat "
+                                     "dispatch beside; and the "
                                      "recipe's stage 0 layers without checkpointing",
              rank_slice_k31_no_pp),
         Part("rank_slice_before_after", "a code change's before/after on the rank slice: BEFORE_REV's tree (git "

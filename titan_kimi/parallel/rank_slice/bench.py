@@ -210,6 +210,19 @@ class RankSliceBench:
             self.slice.set_load(self.loads[0])
         self._add("table", entries, "packed rows of one document")
 
+    def run_gradients(self) -> None:
+        """The block kinds twice, back to back: each backward adding its gradients into the ones held from the
+        previous run (what the layers part times), then making them anew (what FSDP training does when it
+        reduces every microbatch, or with one microbatch). Not entries of the step-time table: the difference is
+        the add the table's entries hold."""
+        held = self._measure(what=(BLOCK,))
+        new = self._measure(what=(BLOCK,), new_gradients=True)
+        for e in held:
+            e.note = "gradients added into held ones" + (f"; {e.note}" if e.note else "")
+        for e in new:
+            e.note = "gradients new each run (its peak holds them)" + (f"; {e.note}" if e.note else "")
+        self._add("gradients", held + new, table=False)
+
     def run_profile(self) -> None:
         """Each layer kind (block, attention, FFN; the first load) under the profiler: DIR/profile.{md,json}."""
         from titan_kimi.parallel.rank_slice.kernel_profile import profile_job, profile_json, profile_markdown
@@ -320,10 +333,12 @@ class RankSliceBench:
         return out if isinstance(out, tuple) else (out,)
 
     # ------------------------------------------------------------------ output
-    def _add(self, part: str, entries: list[Entry], rows: str = "") -> None:
+    def _add(self, part: str, entries: list[Entry], rows: str = "", table: bool = True) -> None:
+        """``entries`` into the report under ``part``, and (``table``) into the step-time table's candidates."""
         for e in entries:
             e.rows = rows or self.rows_layout.describe()
-        self.entries += entries
+        if table:
+            self.entries += entries
         self.report[part] = [e.row(self.peak_flops) for e in entries]
         for e in entries:
             self.log(f"{e.name}: fwd {e.forward_ms:.2f} ms, bwd {e.backward_ms:.2f} ms ({e.tokens} tokens)")

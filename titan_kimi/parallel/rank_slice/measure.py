@@ -86,15 +86,19 @@ class Timed(NamedTuple):
     host_backward_ms: float
 
 
-def _timed(fn_forward, device, warmup: int, repeats: int) -> Timed:
+def _timed(fn_forward, device, warmup: int, repeats: int, new_gradients: list | None = None) -> Timed:
     """``fn_forward() -> (outputs, grads)`` then backward, timed. The memory is the last run's above what was
     allocated when that run started: the parameters' gradients, held from the first backward on, belong to the
-    rank's states, not to the item's activations."""
+    rank's states, not to the item's activations; each backward adds its gradients into them. With
+    ``new_gradients`` (parameters) those parameters' gradients are dropped before each run, so its backward
+    makes them anew, as FSDP training leaves them when it reduces every microbatch; its peak then holds them."""
     synchronize(device)
     last: dict[str, int | None] = {}  # the latest run's memory (each run overwrites it)
     host: list[tuple[float, float]] = []  # every run's host ms, warm-ups first
 
     def step(watch):
+        for p in new_gradients or ():
+            p.grad = None
         reset_peak(device)
         before = allocated(device)
         a = watch.mark()
@@ -149,6 +153,7 @@ class BlockJob:
     load: str  # the expert load of an MoE item
     note: str
     checkpointed: bool = False  # a block item wrapped for activation checkpointing
+    params: tuple = ()  # the trainable parameters its backward gives gradients
 
 
 def block_jobs(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: int | None,
@@ -194,30 +199,34 @@ def block_jobs(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: in
 
             jobs = {
                 BLOCK: (kind, run_block, lambda: block_flops(block, args, segments, routed_rows=routed,
-                                                             dsa_dense=seq.dsa_dense), moe_load),
+                                                             dsa_dense=seq.dsa_dense), moe_load, (block,)),
                 ATTENTION: (f"attention {attention_name}", run_attention,
-                            lambda: attention_part_flops(block, args, segments, dsa_dense=seq.dsa_dense), ""),
+                            lambda: attention_part_flops(block, args, segments, dsa_dense=seq.dsa_dense), "",
+                            (block.attention_norm, block.attention)),
                 FFN: (f"ffn {ffn_name}", run_ffn, lambda: ffn_part_flops(block, mb.tokens, routed_rows=routed),
-                      moe_load),
+                      moe_load, (block.ffn_norm, ffn)),
             }
             for item in what:
-                label, run, flops, entry_load = jobs[item]
+                label, run, flops, entry_load, modules = jobs[item]
                 if label in seen:
                     continue
                 seen.add(label)
                 note = load.describe() if entry_load else ""
-                yield BlockJob(label, item, run, flops, mb.tokens, entry_load, note, item == BLOCK and checkpointed)
+                params = tuple(p for m in modules for p in m.parameters() if p.requires_grad)
+                yield BlockJob(label, item, run, flops, mb.tokens, entry_load, note, item == BLOCK and checkpointed,
+                               params)
 
 
 def measure_blocks(rs: RankSlice, mbs: dict[int, Microbatch], *, max_causal_keys: int | None, warmup: int,
                    repeats: int, generator: torch.Generator, device: torch.device,
                    what: tuple[str, ...] = (BLOCK, ATTENTION, FFN),
-                   select: Callable[[str], bool] | None = None) -> list[Entry]:
-    """The items of ``block_jobs`` timed: forward and backward medians, saved and peak memory."""
+                   select: Callable[[str], bool] | None = None, new_gradients: bool = False) -> list[Entry]:
+    """The items of ``block_jobs`` timed: forward and backward medians, saved and peak memory; with
+    ``new_gradients`` each run's backward makes its parameters' gradients anew (``_timed``)."""
     entries: list[Entry] = []
     for job in block_jobs(rs, mbs, max_causal_keys=max_causal_keys, generator=generator, device=device, what=what,
                           select=select):
-        t = _timed(job.run, device, warmup, repeats)
+        t = _timed(job.run, device, warmup, repeats, list(job.params) if new_gradients else None)
         entries.append(Entry(job.label, job.item, job.tokens, t.forward_ms, t.backward_ms, job.flops(), t.saved_gib,
                              t.peak_gib, job.note, job.load, checkpointed=job.checkpointed,
                              host_forward_ms=t.host_forward_ms, host_backward_ms=t.host_backward_ms))

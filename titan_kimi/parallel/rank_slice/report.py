@@ -43,6 +43,7 @@ def markdown_report(report: dict) -> str:
         if isinstance(value, dict) and "error" in value:
             lines += [f"**part {part} failed**: {value['error']}", ""]
     for part, title in (("layers", "Per layer kind (the recipe's microbatch)"), ("dsa", "DSA attention on long rows"),
+                        ("gradients", "Block kinds with their gradients added into held ones, then made anew"),
                         ("gemm", "The routed experts' GEMMs against their floor"),
                         ("table", "Block kinds at other microbatch sizes")):
         if isinstance(report.get(part), list):
