@@ -98,6 +98,16 @@ def moe_blocks(model: nn.Module) -> list[nn.Module]:
     return [block for block in model.layers.values() if getattr(block, "moe_enabled", False)]
 
 
+def routed_count(style, experts: nn.Module, num_tokens_per_expert: torch.Tensor, mesh: DeviceMesh | None) -> int:
+    """The routed rows ``experts`` send, read by the dispatch ``style`` (``routed_rows_style``'s, or the rank
+    slice's stand-in): from the splits the experts' ``start_route`` started (``started_splits``), else exchanged
+    now."""
+    pending = getattr(experts, "started_splits", None)
+    if pending is not None:
+        return style.finish_splits(pending)
+    return style.exchange_splits(num_tokens_per_expert, mesh)
+
+
 @functools.cache
 def routed_rows_style() -> type:
     """torchtitan's ``ExpertParallel`` whose dispatch sends only the routed rows: the experts' input may end in
@@ -105,7 +115,7 @@ def routed_rows_style() -> type:
     hands back the routed rows alone (``GroupedExperts.route`` appends the zero rows after the shared experts
     are queued, so the exchange stays in flight beside them). Its dispatch makes one host sync, for the splits,
     which also give the routed count; the experts' ``start_route`` starts it before the latent projection is
-    queued (``routed_count`` finishes it). ``exchange_splits`` and ``send_rows`` are its two halves, for a
+    queued (its pre-hook finishes it: ``routed_count``). ``exchange_splits`` and ``send_rows`` are its two halves, for a
     caller that builds the rows once the count is known (the hierarchical dispatch's node level, which also
     splits the first in two: ``start_splits`` before the work that may run through the sync, ``finish_splits``
     after)."""
@@ -146,17 +156,9 @@ def routed_rows_style() -> type:
                                                                             received.shape[0] // ep)
             return rows, counts
 
-        def routed_count(self, mod: nn.Module, num_tokens_per_expert: torch.Tensor, device_mesh: DeviceMesh) -> int:
-            """The rows ``mod`` sends: from the splits its ``start_route`` started (``started_splits``), else
-            exchanged now."""
-            pending = getattr(mod, "started_splits", None)
-            if pending is not None:
-                return self.finish_splits(pending)
-            return self.exchange_splits(num_tokens_per_expert, device_mesh)
-
         def _token_dispatch(self, mod: nn.Module, inputs: tuple, device_mesh: DeviceMesh):
             rows, num_tokens_per_expert = inputs
-            routed = self.routed_count(mod, num_tokens_per_expert, device_mesh)
+            routed = routed_count(self, mod, num_tokens_per_expert, device_mesh)
             return self.send_rows(rows[:routed] if routed < rows.shape[0] else rows, device_mesh)
 
     return RoutedRowsExpertParallel

@@ -24,7 +24,8 @@ import torch.nn as nn
 from titan_kimi.config.parallelism import node_groups_problem
 from titan_kimi.models.kimi_k3.moe import LatentMoE
 from titan_kimi.parallel.expert_node_dispatch import NodeDispatchExperts, node_dispatch_class
-from titan_kimi.parallel.expert_parallel import _permutation_on_any_device, expert_shard_class, moe_blocks
+from titan_kimi.parallel.expert_parallel import (_permutation_on_any_device, expert_shard_class, moe_blocks,
+                                                routed_count)
 from titan_kimi.parallel.expert_permutation import permute, unpermute
 from titan_kimi.parallel.host_readback import HostReadback
 from titan_kimi.parallel.rank_slice.expert_load import ExpertLoad
@@ -94,16 +95,11 @@ class LocalDispatch:
         self._state = None
         return cycle_rows(unpermute(output, shape, indices), n)
 
-    def routed_count(self, module: nn.Module, counts: torch.Tensor, mesh=None) -> int:
-        """As training's dispatch: from the splits ``module.start_route`` started, else read now."""
-        pending = getattr(module, "started_splits", None)
-        return self.finish_splits(pending) if pending is not None else self.exchange_splits(counts, mesh)
-
     def dispatch(self, module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         # this rank's rows sorted by global expert, then its unrouted slots (padding tokens' choices), which the
         # dispatch leaves out
         routed, counts = inputs
-        return self.send_rows(routed[:self.routed_count(module, counts)])
+        return self.send_rows(routed[:routed_count(self, module, counts, None)])
 
     def combine(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         return self._token_combine(module, output)
