@@ -15,11 +15,12 @@ routed path runs in two levels:
 
 The MoE's shared experts run while the rows cross nodes (``overlapped_exchange``), and their backward while the
 rows' gradients cross back. Each level makes one host sync, for its splits; the (token, node) pairs and the
-relay's present choices take their numbers from them. Neither sync drains the device (``host_readback``): the
-pairs' counts are exchanged and their copy to the host queued from the routing alone (``start_route``), before
-the MoE queues its latent projection, which the device runs through the first sync; the node level's counts
-are exchanged and their copy queued before the shared experts, which it runs through the second. Forward and gradients equal the flat dispatch's up to the
-rounding of each node's sum (none in fp32). The weights are sharded over the whole EP group as under the flat
+relay's present choices take their numbers from them. Each waits for its own copy, not the whole device queue
+(``host_readback``): the pairs' counts are exchanged and their copy to the host queued from the routing alone
+(``start_route``), before the MoE queues its latent projection, which the device runs through the first sync;
+the node level's counts are exchanged and their copy queued before the shared experts, which it runs through
+the second. Forward and gradients equal the flat dispatch's up to the rounding of each node's sum (none in
+fp32). The weights are sharded over the whole EP group as under the flat
 dispatch; only the row movement differs.
 """
 

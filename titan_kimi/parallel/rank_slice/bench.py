@@ -53,6 +53,13 @@ def _commit(root: Path) -> str:
         return "unknown"
 
 
+def _noted(entries: list[Entry], note: str) -> list[Entry]:
+    """``entries`` with ``note`` put before the note each already has."""
+    for e in entries:
+        e.note = note + (f"; {e.note}" if e.note else "")
+    return entries
+
+
 class RankSliceBench:
     def __init__(self, opts, overrides: list[str], log: Callable[[str], None]) -> None:
         self.opts, self.log = opts, log
@@ -187,9 +194,7 @@ class RankSliceBench:
             mbs = {i: make_microbatch(s.part, RowLayout("packed", documents=1), 1, length, self.device, self.dtype,
                                       self.gen) for i, s in self.slice.stages}
             found = self._measure(mbs, None, what=(ATTENTION,), select=lambda kind: kind.startswith("dsa"))
-            for e in found:
-                e.note = f"one {length}-token document per row" + (f"; {e.note}" if e.note else "")
-            entries += found
+            entries += _noted(found, f"one {length}-token document per row")
         self._add("dsa", entries, "packed rows of one document")
 
     def run_table(self) -> None:
@@ -203,9 +208,7 @@ class RankSliceBench:
             mbs = {i: make_microbatch(s.part, RowLayout("packed", documents=1), rows, length, self.device,
                                       self.dtype, self.gen) for i, s in self.slice.stages}
             found = self._measure(mbs, None, what=(BLOCK,))
-            for e in found:
-                e.note = f"{rows} row(s) of one {length}-token document" + (f"; {e.note}" if e.note else "")
-            entries += found
+            entries += _noted(found, f"{rows} row(s) of one {length}-token document")
         if self.loads:
             self.slice.set_load(self.loads[0])
         self._add("table", entries, "packed rows of one document")
@@ -215,12 +218,8 @@ class RankSliceBench:
         previous run (what the layers part times), then making them anew (what FSDP training does when it
         reduces every microbatch, or with one microbatch). Not entries of the step-time table: the difference is
         the add the table's entries hold."""
-        held = self._measure(what=(BLOCK,))
-        new = self._measure(what=(BLOCK,), new_gradients=True)
-        for e in held:
-            e.note = "gradients added into held ones" + (f"; {e.note}" if e.note else "")
-        for e in new:
-            e.note = "gradients new each run (its peak holds them)" + (f"; {e.note}" if e.note else "")
+        held = _noted(self._measure(what=(BLOCK,)), "gradients added into held ones")
+        new = _noted(self._measure(what=(BLOCK,), new_gradients=True), "gradients new each run (its peak holds them)")
         self._add("gradients", held + new, table=False)
 
     def run_profile(self) -> None:
